@@ -1,0 +1,249 @@
+"""NanGuardHook for MMEngine runners (plain MMEngine and mmdet3d 1.x scopes).
+
+Lifecycle points used: ``before_run`` (build the guard; allow MMEngine's own resume under torch >= 2.6),
+``before_train`` (install the clip probe, re-apply resumed remedies), ``after_train_iter`` (detect, snapshot,
+recover), ``before_save_checkpoint`` / ``after_load_checkpoint`` (persist state; never save or load a
+non-finite checkpoint).
+"""
+import copy
+import glob
+import logging
+import math
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from mmengine.hooks import Hook
+from mmengine.logging import print_log
+from mmengine.model import is_model_wrapper
+from mmengine.optim import OptimWrapperDict
+
+from ..core.errors import UnsafeCheckpointError
+from ..core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
+from ..core.guard import GuardConfig, GuardIO, NanGuard
+from ..core.health import all_finite, iter_tensors
+from ..core.remedies import Change, ClipProbe, observing_clip
+from ..core.safe_load import MMENGINE_CHECKPOINT_GLOBALS, resolve_globals, safe_load
+from ..core.snapshot import copy_to_host
+
+__all__ = ["NanGuardHook", "MMEngineIO"]
+
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+STATE_KEY = "nan_guard"
+
+
+class MMEngineIO(GuardIO):
+    """Where an MMEngine runner keeps what the guard reads and changes."""
+
+    def __init__(self, runner: Any, skip_nonfinite_fp32: bool = True) -> None:
+        self.runner = runner
+        self.work_dir = runner.work_dir
+        self.skip_nonfinite_fp32 = skip_nonfinite_fp32
+        self.probes: List[ClipProbe] = []
+
+    # -- objects
+    def _wrappers(self) -> List[Tuple[str, Any]]:
+        ow = self.runner.optim_wrapper
+        if isinstance(ow, OptimWrapperDict):
+            return [(f"optim_wrapper.{k}", w) for k, w in ow.items()]
+        return [("optim_wrapper", ow)]
+
+    def model(self) -> torch.nn.Module:
+        model = self.runner.model
+        return model.module if is_model_wrapper(model) else model
+
+    def optimizers(self) -> List[Any]:
+        return [w.optimizer for _, w in self._wrappers()]
+
+    def install_probes(self) -> None:
+        """Makes every optimizer step visible: an observing clip where none is configured, then the probe."""
+        self.probes = []
+        for name, w in self._wrappers():
+            if not getattr(w, "clip_grad_kwargs", None):
+                w.clip_grad_kwargs = observing_clip()
+                w.clip_func = torch.nn.utils.clip_grad_norm_
+                w.grad_name = "grad_norm"
+                self.log(f"NanGuard: {name} had no clip_grad; installed an observing clip (max_norm=inf) "
+                         "so that grad_norm is computed")
+            if not isinstance(w.clip_func, ClipProbe):
+                amp = hasattr(w, "loss_scaler")
+                w.clip_func = ClipProbe(w.clip_func, skip_nonfinite=self.skip_nonfinite_fp32 and not amp)
+            self.probes.append(w.clip_func)
+
+    # -- signals
+    def read_step(self) -> Tuple[bool, Optional[float], bool]:
+        stepped, skipped, norms = False, False, []
+        for probe in self.probes:
+            s, n, k = probe.read()
+            stepped, skipped = stepped or s, skipped or k
+            if n is not None:
+                norms.append(n)
+        # One global norm over all optimizers; NaN and Inf propagate.
+        norm = math.sqrt(sum(n * n for n in norms)) if norms else None
+        return stepped, norm, skipped
+
+    def loss(self) -> Optional[float]:
+        scalars = self.runner.message_hub.log_scalars
+        return float(scalars["train/loss"].current()) if "train/loss" in scalars else None
+
+    def scaler(self) -> Tuple[Any, str]:
+        for _, w in self._wrappers():
+            if hasattr(w, "loss_scaler"):
+                return w.loss_scaler, "dynamic" if w._scale_update_param is None else "static"
+        return None, "none"
+
+    def clip_settings(self) -> List[Tuple[str, Dict[str, Any]]]:
+        return [(f"{name}.clip_grad.max_norm", w.clip_grad_kwargs) for name, w in self._wrappers()]
+
+    def counters(self) -> Tuple[int, int]:
+        return self.runner.iter, self.runner.epoch
+
+    # -- state
+    def _schedulers(self) -> List[Any]:
+        ps = self.runner.param_schedulers
+        if ps is None:
+            return []
+        if isinstance(ps, dict):
+            return [s for group in ps.values() for s in group]
+        return list(ps)
+
+    def capture(self) -> Dict[str, Any]:
+        return {
+            "meta": {"iter": self.runner.iter, "epoch": self.runner.epoch},
+            "state_dict": self.model().state_dict(),
+            "optimizer": self.runner.optim_wrapper.state_dict(),
+            "param_schedulers": [s.state_dict() for s in self._schedulers()],
+            "message_hub": {"log_scalars": self.runner.message_hub.log_scalars},
+            "inner_count": [w._inner_count for _, w in self._wrappers()],
+        }
+
+    def restore(self, payload: Dict[str, Any]) -> None:
+        model = self.model()
+        model.load_state_dict(payload["state_dict"], strict=not payload["meta"].get("from_disk", False))
+        optim_state = payload["optimizer"]
+        if next(model.parameters()).device.type == "cpu":
+            # torch optimizers keep CPU tensors as given: copy, or later steps would write into the snapshot.
+            optim_state = copy_to_host(optim_state)
+        self.runner.optim_wrapper.load_state_dict(dict(optim_state))
+        # Epoch-based schedulers follow the epoch, which a rollback never rewinds.
+        for sched, state in zip(self._schedulers(), payload.get("param_schedulers", [])):
+            if not getattr(sched, "by_epoch", False):
+                sched.load_state_dict(copy.deepcopy(state))
+        hub = payload.get("message_hub", {})
+        if "log_scalars" in hub:
+            self.runner.message_hub._log_scalars = copy.deepcopy(hub["log_scalars"])
+        loop = self.runner.train_loop
+        loop._iter = int(payload["meta"]["iter"])
+        counts = payload.get("inner_count")
+        for i, (_, w) in enumerate(self._wrappers()):
+            if counts is not None:
+                w._inner_count = counts[i]
+            else:
+                w.initialize_count_status(model, loop._iter + 1, loop.max_iters)
+
+    def fill_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        """Rewrites a checkpoint being saved from the live (just restored) state."""
+        checkpoint["state_dict"] = copy_to_host(self.model().state_dict())
+        if "optimizer" in checkpoint:
+            checkpoint["optimizer"] = copy_to_host(self.runner.optim_wrapper.state_dict())
+        if "param_schedulers" in checkpoint and isinstance(checkpoint["param_schedulers"], list):
+            checkpoint["param_schedulers"] = [copy.deepcopy(s.state_dict()) for s in self._schedulers()]
+        checkpoint["message_hub"] = copy.deepcopy(self.runner.message_hub.state_dict())
+        checkpoint["meta"]["iter"] = self.runner.iter + 1
+
+    def checkpoint_candidates(self) -> List[str]:
+        paths = sorted(glob.glob(os.path.join(self.work_dir, "*.pth")), key=os.path.getmtime, reverse=True)
+        return paths
+
+    def load_payload(self, path: str) -> Dict[str, Any]:
+        ckpt = safe_load(path)
+        meta = ckpt.get("meta", {})
+        # A checkpoint's iter counts completed iterations; the guard restores at after_train_iter,
+        # where the loop's own +1 follows.
+        ckpt["meta"] = {"iter": int(meta.get("iter", 0)) - 1, "epoch": int(meta.get("epoch", 0)), "from_disk": True}
+        ckpt.setdefault("param_schedulers", [])
+        return ckpt
+
+    def make_scale_dynamic(self) -> Optional[Change]:
+        for name, w in self._wrappers():
+            if hasattr(w, "loss_scaler") and w._scale_update_param is not None:
+                old = w._scale_update_param
+                w._scale_update_param = None
+                return Change(f"{name}.loss_scale", old, "dynamic")
+        return None
+
+    def restore_scale_mode(self, dynamic: bool) -> None:
+        if dynamic:
+            for _, w in self._wrappers():
+                if hasattr(w, "loss_scaler"):
+                    w._scale_update_param = None
+
+    # -- output
+    def log(self, msg: str, level: str = "info") -> None:
+        print_log(msg, logger="current", level=_LEVELS.get(level, logging.INFO))
+
+    def update_scalars(self, scalars: Dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.runner.message_hub.update_scalar(f"train/{key}", value)
+
+
+class NanGuardHook(Hook):
+    """Keeps fp16/fp32 training alive through NaN/Inf divergence: detects, remedies, rolls back, continues.
+
+    Arguments are those of :class:`~petr_stability.core.guard.GuardConfig` (every one validated when the
+    hook is built), plus:
+
+    Args:
+        allow_mmengine_resume: under torch >= 2.6, let MMEngine's own ``resume=True`` load its checkpoints by
+            adding exactly the types they pickle to torch's safe-load allowlist (process-wide, logged).
+            Defaults to True.
+    """
+
+    priority = "NORMAL"
+
+    def __init__(self, allow_mmengine_resume: bool = True, **kwargs: Any) -> None:
+        self.config = GuardConfig(**kwargs)
+        if not isinstance(allow_mmengine_resume, bool):
+            raise TypeError(f"allow_mmengine_resume must be a bool, got {allow_mmengine_resume!r}")
+        self.allow_mmengine_resume = allow_mmengine_resume
+        self.io: Optional[MMEngineIO] = None
+        self.guard: Optional[NanGuard] = None
+
+    def before_run(self, runner: Any) -> None:
+        self.io = MMEngineIO(runner, self.config.skip_nonfinite_fp32)
+        self.guard = NanGuard(self.config, self.io)
+        if self.allow_mmengine_resume and WEIGHTS_ONLY_IS_DEFAULT and HAS_SAFE_GLOBALS:
+            types = resolve_globals(MMENGINE_CHECKPOINT_GLOBALS)
+            torch.serialization.add_safe_globals(types)
+            self.io.log(
+                "NanGuard: torch >= 2.6 loads checkpoints with weights_only=True, which MMEngine 0.10.x cannot "
+                f"resume from; allowed exactly these {len(types)} types process-wide: "
+                + ", ".join(f"{t.__module__}.{t.__qualname__}" for t in types),
+                "warning",
+            )
+
+    def before_train(self, runner: Any) -> None:
+        self.io.install_probes()
+        self.guard.setup()
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        self.guard.after_iter()
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
+        if self.guard is None:
+            return
+        ok = all_finite(iter_tensors(checkpoint.get("state_dict", {}))) and all_finite(
+            iter_tensors(checkpoint.get("optimizer", {})))
+        if not self.guard.all_ranks_healthy(ok):
+            self.guard.recover_now("non-finite state found while saving a checkpoint")
+            self.io.fill_checkpoint(checkpoint)
+        checkpoint[STATE_KEY] = self.guard.state_dict()
+
+    def after_load_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
+        try:
+            self.guard.check_checkpoint(checkpoint, "the checkpoint being loaded")
+        except UnsafeCheckpointError:
+            self.io.log("NanGuard: refusing a non-finite checkpoint", "error")
+            raise
+        if getattr(runner, "_resume", False) and STATE_KEY in checkpoint:
+            self.guard.load_state_dict(checkpoint[STATE_KEY])

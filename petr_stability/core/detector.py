@@ -1,0 +1,191 @@
+"""Tells the loss scaler's ordinary overflows from a real divergence, one optimizer step at a time."""
+import enum
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional
+
+__all__ = ["Verdict", "StepSignals", "DetectorConfig", "DivergenceDetector", "Decision"]
+
+
+class Verdict(enum.IntEnum):
+    """Outcome of one step, ordered by severity so that ranks agree by taking the maximum."""
+
+    HEALTHY = 0
+    #: A skipped step the loss scaler (or, in fp32, the guard's skip) absorbed: harmless on its own.
+    OVERFLOW = 1
+    #: A static loss scale is skipping every step: weights are intact but nothing trains.
+    STALLED = 2
+    #: Training state is, or is about to be, poisoned: remedies and rollback are due.
+    DIVERGED = 3
+
+
+@dataclass
+class StepSignals:
+    """What one training iteration shows, read after its optimizer step.
+
+    Attributes:
+        iteration: the runner's 0-based iteration counter during that iteration.
+        stepped: False on gradient-accumulation iterations that did not step (no verdict is drawn there).
+        grad_norm: the unscaled gradient norm of this step, or None where it is not observed.
+        loss: the total loss of this iteration (per rank), or None.
+        loss_scale: the scale after the scaler's update; only read on suspicious steps (it costs a sync).
+        scale_mode: ``'dynamic'``, ``'static'`` or ``'none'`` (fp32: a non-finite gradient is applied).
+        step_applied: whether the optimizer really applied this step's update (False when a scaler or
+            the guard's fp32 skip dropped it). None means unknown: inferred from ``scale_mode``.
+        weights_finite: result of a weight/buffer health check run on this step, or None if none ran.
+    """
+
+    iteration: int
+    stepped: bool = True
+    grad_norm: Optional[float] = None
+    loss: Optional[float] = None
+    loss_scale: Optional[float] = None
+    scale_mode: str = "none"
+    step_applied: Optional[bool] = None
+    weights_finite: Optional[bool] = None
+
+    @property
+    def suspicious(self) -> bool:
+        """A non-finite grad_norm or loss: worth reading the scale and checking the weights."""
+        return not _finite(self.grad_norm) or not _finite(self.loss)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {k: (_jsonable(v)) for k, v in asdict(self).items()}
+
+
+def _finite(value: Optional[float]) -> bool:
+    return value is None or math.isfinite(value)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+@dataclass
+class DetectorConfig:
+    """Thresholds of the detector; each default carries its reason.
+
+    Attributes:
+        patience: K. Consecutive non-finite steps that the loss scaler no longer answers by lowering the
+            scale (or, in fp32 with the guard's skip, consecutive skipped steps), and consecutive non-finite
+            losses, before a divergence is declared. One or two in a row are ordinary (a bad batch, an
+            overflow right after the scale grew); three means the scaler is not fixing it. Defaults to 3.
+        min_loss_scale: a dynamic scale below this is a divergence. At 1.0 fp16 gradients are no longer
+            amplified, so overflowing still means the gradients themselves are Inf/NaN (Megatron and
+            DeepSpeed floor their scalers at 1 for this reason). Defaults to 1.0.
+        static_patience: M. Consecutive skipped steps under a static scale before the run is declared
+            stalled. A static scale never backs off, so once gradients outgrow it every step is skipped;
+            one or two skips at PETR's ``loss_scale=512.`` are ordinary. Defaults to 5.
+    """
+
+    patience: int = 3
+    min_loss_scale: float = 1.0
+    static_patience: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("patience", "static_patience"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.min_loss_scale, (int, float)) or not (0 < self.min_loss_scale < math.inf):
+            raise ValueError(f"min_loss_scale must be a finite number > 0, got {self.min_loss_scale!r}")
+
+
+@dataclass
+class Decision:
+    """The detector's verdict on one step and why."""
+
+    verdict: Verdict
+    reason: str = ""
+
+
+class DivergenceDetector:
+    """Stateful per-step classifier; no framework types, no tensors.
+
+    Rules, in order (first match wins):
+
+    1. non-finite weights, buffers or optimizer state: DIVERGED at once;
+    2. fp32 (``scale_mode='none'``) and a non-finite gradient that was applied: DIVERGED at once;
+    3. a dynamic scale below ``min_loss_scale``: DIVERGED;
+    4. ``patience`` consecutive non-finite losses: DIVERGED (the forward itself is non-finite; the loss is
+       computed before scaling, so no scale can cause or cure it);
+    5. ``patience`` consecutive non-finite steps whose dynamic scale did not fall, or skipped fp32 steps:
+       DIVERGED;
+    6. ``static_patience`` consecutive skipped steps under a static scale: STALLED;
+    7. any other non-finite step: OVERFLOW (harmless: the scaler skipped it and backs off);
+    8. otherwise HEALTHY, and every streak resets.
+    """
+
+    def __init__(self, config: Optional[DetectorConfig] = None) -> None:
+        self.config = config or DetectorConfig()
+        self.reset()
+        self.nonfinite_steps = 0
+
+    def reset(self) -> None:
+        """Forgets streaks (after a rollback the state that produced them is gone)."""
+        self.overflow_streak = 0
+        self.stuck_streak = 0
+        self.loss_streak = 0
+        self.last_scale: Optional[float] = None
+
+    def observe(self, s: StepSignals) -> Decision:
+        """Classifies one iteration; iterations that did not step change nothing."""
+        cfg = self.config
+        if s.weights_finite is False:
+            return Decision(Verdict.DIVERGED, "non-finite weights, buffers or optimizer state")
+        if not s.stepped:
+            return Decision(Verdict.HEALTHY, "no optimizer step on this iteration")
+        if not s.suspicious:
+            self.reset()
+            return Decision(Verdict.HEALTHY)
+
+        self.nonfinite_steps += 1
+        self.overflow_streak += 1
+        self.loss_streak = self.loss_streak + 1 if not _finite(s.loss) else 0
+        applied = s.step_applied if s.step_applied is not None else s.scale_mode == "none"
+        what = f"grad_norm={s.grad_norm}, loss={s.loss}"
+        if s.scale_mode == "none" and applied:
+            return Decision(Verdict.DIVERGED, f"fp32 step applied a non-finite gradient ({what})")
+        if s.scale_mode == "dynamic" and s.loss_scale is not None and s.loss_scale < cfg.min_loss_scale:
+            return Decision(
+                Verdict.DIVERGED, f"dynamic loss scale fell to {s.loss_scale:g} < min_loss_scale={cfg.min_loss_scale:g}"
+            )
+        if self.loss_streak >= cfg.patience:
+            return Decision(Verdict.DIVERGED, f"{self.loss_streak} consecutive non-finite losses ({what})")
+
+        if s.scale_mode == "dynamic":
+            fell = self.last_scale is None or s.loss_scale is None or s.loss_scale < self.last_scale
+            self.stuck_streak = 0 if fell else self.stuck_streak + 1
+            self.last_scale = s.loss_scale
+            if self.stuck_streak >= cfg.patience:
+                return Decision(
+                    Verdict.DIVERGED,
+                    f"{self.stuck_streak} consecutive overflows with the loss scale no longer falling ({what})",
+                )
+        elif s.scale_mode == "none":
+            if self.overflow_streak >= cfg.patience:
+                return Decision(Verdict.DIVERGED, f"{self.overflow_streak} consecutive skipped fp32 steps ({what})")
+        elif self.overflow_streak >= cfg.static_patience:
+            return Decision(
+                Verdict.STALLED,
+                f"{self.overflow_streak} consecutive skipped steps under a static loss scale of {s.loss_scale}",
+            )
+        return Decision(Verdict.OVERFLOW, f"skipped step ({what}), streak {self.overflow_streak}")
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "overflow_streak": self.overflow_streak,
+            "stuck_streak": self.stuck_streak,
+            "loss_streak": self.loss_streak,
+            "last_scale": self.last_scale,
+            "nonfinite_steps": self.nonfinite_steps,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.overflow_streak = int(state.get("overflow_streak", 0))
+        self.stuck_streak = int(state.get("stuck_streak", 0))
+        self.loss_streak = int(state.get("loss_streak", 0))
+        self.last_scale = state.get("last_scale")
+        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))

@@ -1,0 +1,143 @@
+"""In-memory host copies of training state, and the ring that decides which of them count as healthy."""
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+__all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "payload_nbytes"]
+
+
+def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
+    """Deep-copies ``obj`` with every tensor copied to CPU memory.
+
+    Tensors are copied into ``reuse``'s tensors where the structure, shape and dtype match, so a ring that
+    recycles its oldest snapshot allocates nothing in steady state. Device tensors go through pinned
+    memory with ``non_blocking`` copies when ``pin`` is set; the caller synchronizes once at the end.
+    Non-tensor leaves (scheduler fields, history buffers) are deep-copied.
+    """
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        if (
+            isinstance(reuse, torch.Tensor)
+            and reuse.shape == src.shape
+            and reuse.dtype == src.dtype
+            and reuse.device.type == "cpu"
+            and reuse is not src
+        ):
+            reuse.copy_(src, non_blocking=pin)
+            return reuse
+        if src.device.type == "cpu":
+            return src.clone()
+        out = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        out.copy_(src, non_blocking=pin)
+        return out
+    if isinstance(obj, dict):
+        r = reuse if isinstance(reuse, dict) else {}
+        out = copy.copy(obj)  # keeps the dict subclass (OrderedDict state dicts)
+        for k, v in obj.items():
+            out[k] = copy_to_host(v, r.get(k), pin)
+        return out
+    if isinstance(obj, (list, tuple)):
+        r = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        items = [copy_to_host(v, rv, pin) for v, rv in zip(obj, r)]
+        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+    return copy.deepcopy(obj)
+
+
+def payload_nbytes(obj: Any) -> int:
+    """Bytes held by the tensors inside ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(payload_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_nbytes(v) for v in obj)
+    return 0
+
+
+@dataclass
+class Snapshot:
+    """A host copy of the training state taken after the optimizer step of ``iteration``.
+
+    Attributes:
+        iteration: the runner's iteration counter when it was taken (restoring it sets the counter back).
+        epoch: the epoch counter then.
+        payload: the adapter's state dicts with every tensor on the host.
+        clean_steps: healthy optimizer steps seen since; it is *confirmed* once this reaches the ring's
+            ``confirm_steps`` (a state on a path that is already diverging is not a state to return to).
+        failed: a divergence recurred after restoring it and before any newer snapshot was confirmed.
+    """
+
+    iteration: int
+    epoch: int
+    payload: Dict[str, Any]
+    clean_steps: int = 0
+    failed: bool = False
+    nbytes: int = field(default=0)
+
+
+class SnapshotRing:
+    """Keeps the newest ``keep`` snapshots and knows which are confirmed healthy.
+
+    Args:
+        keep: snapshots held (>= 2, so that a confirmed one survives while a newer one is pending).
+        confirm_steps: W, clean steps after a snapshot before it counts as healthy.
+    """
+
+    def __init__(self, keep: int = 2, confirm_steps: int = 50) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
+            raise ValueError(f"keep_snapshots must be an integer >= 2, got {keep!r}")
+        if isinstance(confirm_steps, bool) or not isinstance(confirm_steps, int) or confirm_steps < 0:
+            raise ValueError(f"confirm_steps must be an integer >= 0, got {confirm_steps!r}")
+        self.keep = keep
+        self.confirm_steps = confirm_steps
+        self.snapshots: List[Snapshot] = []  # oldest first
+
+    def __len__(self) -> int:
+        return len(self.snapshots)
+
+    def is_confirmed(self, snap: Snapshot) -> bool:
+        return snap.clean_steps >= self.confirm_steps and not snap.failed
+
+    def recyclable(self) -> Optional[Dict[str, Any]]:
+        """The payload that the next :meth:`add` will evict, to copy into instead of allocating."""
+        if len(self.snapshots) < self.keep:
+            return None
+        victim = self._victim()
+        return victim.payload if victim is not None else None
+
+    def _victim(self) -> Optional[Snapshot]:
+        newest_confirmed = self.newest_confirmed()
+        for snap in self.snapshots:
+            if snap is not newest_confirmed:
+                return snap
+        return None
+
+    def add(self, snap: Snapshot) -> None:
+        while len(self.snapshots) >= self.keep:
+            victim = self._victim()
+            if victim is None:
+                break
+            self.snapshots.remove(victim)
+        self.snapshots.append(snap)
+
+    def tick(self) -> None:
+        """One clean optimizer step happened."""
+        for snap in self.snapshots:
+            snap.clean_steps += 1
+
+    def newest_confirmed(self) -> Optional[Snapshot]:
+        for snap in reversed(self.snapshots):
+            if self.is_confirmed(snap):
+                return snap
+        return None
+
+    def discard_unconfirmed(self) -> int:
+        """Drops snapshots not yet confirmed (taken on the path that just diverged); returns how many."""
+        before = len(self.snapshots)
+        self.snapshots = [s for s in self.snapshots if self.is_confirmed(s)]
+        return before - len(self.snapshots)
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.snapshots)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds the test environments from scratch (idempotent: a finished env is kept, stamped by this file's hash).
+#   .venv        MMEngine 0.10.7 + mmcv-lite 2.1.0 + mmdet 3.3.0 / mmdet3d 1.4.0 (--no-deps) on torch 2.13.0 (CPU)
+#   .venv-mmcv1  MMCV 1.7.2 (pure Python) on torch 2.14.1 + torchvision 0.29.1
+# The pinned torch is installed first, on its own: pip takes it from this machine's local disk.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+which_envs=${1:-all}
+stamp_of() { cat "$0" setup.py 2>/dev/null | sha1sum | cut -c1-12; }
+
+build_mmengine() {
+  local env=.venv
+  if [ -f "$env/.stamp" ] && [ "$(cat "$env/.stamp")" = "$(stamp_of)" ]; then return 0; fi
+  echo "[setup] building $env (MMEngine stack)"
+  rm -rf "$env"; "$PY" -m venv "$env"
+  "$env/bin/pip" install -q 'torch==2.13.0'
+  "$env/bin/pip" install -q 'setuptools<81' wheel
+  "$env/bin/pip" install -q 'mmengine==0.10.7' pytest 'ruff==0.8.6' matplotlib 'numpy<2.3'
+  MMCV_WITH_OPS=0 "$env/bin/pip" install -q --no-build-isolation 'mmcv-lite==2.1.0'
+  "$env/bin/pip" install -q --no-deps 'mmdet==3.3.0' 'mmdet3d==1.4.0'
+  "$env/bin/pip" install -q --no-deps --no-build-isolation -e .
+  stamp_of > "$env/.stamp"
+}
+
+build_mmcv1() {
+  local env=.venv-mmcv1
+  if [ -f "$env/.stamp" ] && [ "$(cat "$env/.stamp")" = "$(stamp_of)" ]; then return 0; fi
+  echo "[setup] building $env (MMCV 1.x stack)"
+  rm -rf "$env"; "$PY" -m venv "$env"
+  "$env/bin/pip" install -q 'torch==2.14.1' 'torchvision==0.29.1'
+  "$env/bin/pip" install -q 'setuptools<81' wheel
+  "$env/bin/pip" install -q pytest matplotlib 'numpy<2.3'
+  MMCV_WITH_OPS=0 "$env/bin/pip" install -q --no-build-isolation 'mmcv==1.7.2'
+  "$env/bin/pip" install -q --no-deps --no-build-isolation -e .
+  stamp_of > "$env/.stamp"
+}
+
+case "$which_envs" in
+  mmengine) build_mmengine ;;
+  mmcv1) build_mmcv1 ;;
+  all) build_mmengine; build_mmcv1 ;;
+  *) echo "usage: $0 [all|mmengine|mmcv1]" >&2; exit 2 ;;
+esac
