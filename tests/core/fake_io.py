@@ -1,0 +1,136 @@
+"""A plain-torch training loop behind GuardIO: the core guard tested without any runner."""
+import copy
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from petr_stability.core.guard import GuardConfig, GuardIO, NanGuard
+from petr_stability.core.remedies import ClipProbe
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.layer(x)).mean()
+
+
+class FakeIO(GuardIO):
+    """fp32 or scaled training of TinyTransformer; ``scale`` mimics a loss scaler's reading."""
+
+    def __init__(self, work_dir: Optional[str] = None, mode: str = "none", skip: bool = True):
+        self.work_dir = work_dir
+        self.net = TinyTransformer()
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.01)
+        self.clip = {"max_norm": 35.0, "norm_type": 2}
+        self.probe = ClipProbe(torch.nn.utils.clip_grad_norm_, skip_nonfinite=skip and mode == "none")
+        self.mode = mode
+        self.scale = 65536.0
+        self.iter = 0
+        self.epoch = 0
+        self.last_loss: Optional[float] = None
+        self.logs: List[Tuple[str, str]] = []
+        self.scalars: Dict[str, float] = {}
+        self.restores: List[int] = []
+        self.ckpts: List[str] = []
+        self.loaded: Dict[str, Any] = {}
+
+    # training
+    def train_step(self, poison_grad: bool = False, poison_loss: bool = False) -> None:
+        x = torch.randn(4, 2, 8)
+        loss = self.net(x)
+        if poison_loss:
+            loss = loss * math.nan
+        self.opt.zero_grad()
+        loss.backward()
+        if poison_grad:
+            self.net.out.weight.grad[0, 0] = math.inf
+        norm = self.probe(self.net.parameters(), **self.clip)
+        if self.mode != "none" and not math.isfinite(float(norm)):
+            self.scale /= 2  # the scaler skips the step and backs off
+        else:
+            self.opt.step()
+        self.last_loss = float(loss)
+
+    # GuardIO
+    def model(self):
+        return self.net
+
+    def optimizers(self):
+        return [self.opt]
+
+    def read_step(self):
+        return self.probe.read()
+
+    def loss(self):
+        return self.last_loss
+
+    def scaler(self):
+        if self.mode == "none":
+            return None, "none"
+        return self, self.mode
+
+    def get_scale(self):
+        return self.scale
+
+    def clip_settings(self):
+        return [("clip.max_norm", self.clip)]
+
+    def capture(self):
+        return {"meta": {"iter": self.iter, "epoch": self.epoch}, "state_dict": self.net.state_dict(),
+                "optimizer": self.opt.state_dict()}
+
+    def restore(self, payload):
+        self.net.load_state_dict(payload["state_dict"])
+        self.opt.load_state_dict(copy.deepcopy(payload["optimizer"]))
+        self.iter = payload["meta"]["iter"]
+        self.restores.append(self.iter)
+
+    def counters(self):
+        return self.iter, self.epoch
+
+    def log(self, msg, level="info"):
+        self.logs.append((level, msg))
+
+    def update_scalars(self, scalars):
+        self.scalars.update(scalars)
+
+    def checkpoint_candidates(self):
+        return list(self.ckpts)
+
+    def load_payload(self, path):
+        if path not in self.loaded:
+            raise OSError(f"truncated file {path}")
+        return copy.deepcopy(self.loaded[path])
+
+
+def make_guard(io: FakeIO, **kwargs: Any) -> NanGuard:
+    cfg = dict(snapshot_interval=5, confirm_steps=3, check_interval=4)
+    cfg.update(kwargs)
+    guard = NanGuard(GuardConfig(**cfg), io)
+    guard.setup()
+    return guard
+
+
+def run(io: FakeIO, guard: NanGuard, n: int, faults: Optional[Dict[int, str]] = None) -> List[Any]:
+    """Runs until ``io.iter`` reaches ``n`` counted iterations; ``faults`` maps 0-based iter -> kind (fires once)."""
+    faults = dict(faults or {})
+    verdicts = []
+    steps = 0
+    while io.iter < n:
+        steps += 1
+        assert steps < 10 * n, "the loop does not terminate"
+        kind = faults.pop(io.iter, None)
+        if kind == "weights":
+            with torch.no_grad():
+                io.net.out.weight[0, 0] = math.nan
+        io.train_step(poison_grad=kind == "grad", poison_loss=kind == "loss")
+        verdicts.append((io.iter, guard.after_iter().verdict.name))
+        io.iter += 1
+    return verdicts

@@ -1,0 +1,193 @@
+"""The core guard end to end over a plain torch loop (FakeIO): verdicts, remedies, rollback, budget, state."""
+import json
+import math
+
+import pytest
+import torch
+from fake_io import FakeIO, make_guard, run
+
+from petr_stability.core.errors import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError
+from petr_stability.core.guard import GuardConfig
+from petr_stability.core.incidents import read_incidents
+
+
+def first(verdicts):
+    """Verdict of each iteration the first time it ran (a rollback runs some numbers again)."""
+    out = {}
+    for i, v in verdicts:
+        out.setdefault(i, v)
+    return out
+
+
+def finite(io):
+    return all(bool(torch.isfinite(p).all()) for p in io.net.parameters())
+
+
+def test_healthy_run_changes_nothing(tmp_path):
+    io = FakeIO(str(tmp_path))
+    guard = make_guard(io)
+    verdicts = run(io, guard, 20)
+    assert {v for _, v in verdicts} == {"HEALTHY"}
+    assert io.clip["max_norm"] == 35.0 and io.net.layer.dropout.p == 0.1
+    assert io.restores == [] and read_incidents(str(tmp_path)) == []
+    assert io.scalars["nan_guard/max_norm"] == 35.0
+
+
+def test_harmless_overflow_under_scaler_changes_nothing(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io)
+    verdicts = run(io, guard, 20, faults={10: "grad"})
+    assert first(verdicts)[10] == "OVERFLOW"
+    assert io.clip["max_norm"] == 35.0 and io.net.layer.dropout.p == 0.1 and io.restores == []
+    assert guard.skipped_steps == 1 and read_incidents(str(tmp_path)) == []
+    assert any("harmless overflow" in m for _, m in io.logs)
+
+
+def test_fp32_transient_nan_step_is_skipped_not_applied(tmp_path):
+    io = FakeIO(str(tmp_path), mode="none", skip=True)
+    guard = make_guard(io)
+    verdicts = run(io, guard, 20, faults={10: "grad"})
+    assert first(verdicts)[10] == "OVERFLOW" and finite(io) and io.restores == []
+
+
+def test_fp32_nan_step_applied_without_skip_rolls_back(tmp_path):
+    io = FakeIO(str(tmp_path), mode="none", skip=False)
+    guard = make_guard(io, skip_nonfinite_fp32=False)
+    verdicts = run(io, guard, 25, faults={12: "grad"})
+    assert first(verdicts)[12] == "DIVERGED"
+    assert io.restores == [4]  # newest confirmed snapshot: taken at iter 4 (interval 5), 3 clean steps after
+    assert finite(io) and io.clip["max_norm"] == 1.0 and io.net.layer.dropout.p == 0.0
+    assert io.net.layer.self_attn.dropout == 0.0
+    (rec,) = read_incidents(str(tmp_path))
+    assert rec["event"] == "divergence" and rec["iterations_lost"] == 12 - 4
+    assert rec["restored_from"]["iteration"] == 4
+    assert {"target": "clip.max_norm", "old": 35.0, "new": 1.0} in rec["actions"]
+
+
+def test_poisoned_weights_recover_and_finish(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io)
+    verdicts = run(io, guard, 30, faults={17: "weights"})
+    assert first(verdicts)[17] == "DIVERGED"
+    assert finite(io) and io.iter == 30 and guard.recoveries == 1
+    # 14 was taken but had only 2 clean steps when 17 diverged: not confirmed, so 9 is used.
+    assert io.restores == [9]
+
+
+def test_divergence_before_any_confirmed_state_gives_clear_error(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io, confirm_steps=10)
+    with pytest.raises(NoHealthyStateError, match="no healthy state to roll back to"):
+        run(io, guard, 20, faults={3: "weights"})
+    (rec,) = read_incidents(str(tmp_path))
+    assert rec["event"] == "gave_up"
+
+
+def test_falls_back_to_newest_finite_checkpoint_skipping_bad_files(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    good = {"meta": {"iter": 1, "epoch": 0}, "state_dict": {k: v.clone() for k, v in io.net.state_dict().items()},
+            "optimizer": io.opt.state_dict()}
+    poisoned = json.loads(json.dumps({"meta": {"iter": 2, "epoch": 0}}))
+    poisoned["state_dict"] = {k: v.clone() * math.nan for k, v in io.net.state_dict().items()}
+    poisoned["optimizer"] = io.opt.state_dict()
+    io.ckpts = ["truncated.pth", "poisoned.pth", "good.pth"]
+    io.loaded = {"poisoned.pth": poisoned, "good.pth": good}
+    guard = make_guard(io, confirm_steps=50)
+    run(io, guard, 12, faults={6: "weights"})
+    assert io.restores == [1] and finite(io)
+    msgs = " ".join(m for _, m in io.logs)
+    assert "skipping checkpoint truncated.pth" in msgs and "skipping checkpoint poisoned.pth" in msgs
+    assert read_incidents(str(tmp_path))[0]["restored_from"]["source"] == "good.pth"
+
+
+def test_recurring_divergence_steps_back_to_an_older_snapshot(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io, keep_snapshots=3, snapshot_interval=5, confirm_steps=1)
+    # Diverge at 12 -> back to 9. Diverge again at 14, before any newer snapshot is confirmed -> 9 failed ->
+    # step back to 4.
+    run(io, guard, 13, faults={12: "weights"})
+    run(io, guard, 20, faults={14: "weights"})
+    assert io.restores[:2] == [9, 4]
+    assert any("diverged again; stepping back" in m for _, m in io.logs)
+
+
+def test_endless_divergence_stops_with_budget_error_naming_log(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io, max_recoveries=2, confirm_steps=1, keep_snapshots=2)
+    with pytest.raises(NanGuardGaveUp) as err:
+        for _ in range(20):
+            run(io, guard, io.iter + 8, faults={io.iter + 6: "weights"})
+    msg = str(err.value)
+    assert "recovery budget is spent (2 of max_recoveries=2)" in msg
+    assert str(tmp_path / "nan_guard_incidents.jsonl") in msg and "clip.max_norm 35.0 -> 1.0" in msg
+    assert [r["event"] for r in read_incidents(str(tmp_path))] == ["divergence", "divergence", "gave_up"]
+
+
+def test_max_norm_schedule_tightens_per_incident(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io, max_norm_schedule=[10.0, 3.0, 1.0], confirm_steps=1)
+    seen = []
+    for k in range(4):
+        run(io, guard, io.iter + 8, faults={io.iter + 6: "weights"})
+        seen.append(io.clip["max_norm"])
+    assert seen == [10.0, 3.0, 1.0, 1.0]
+
+
+def test_state_round_trip_reapplies_remedies_on_resume(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io)
+    run(io, guard, 20, faults={12: "weights"})
+    state = guard.state_dict()
+    fresh = FakeIO(str(tmp_path), mode="dynamic")
+    g2 = make_guard(fresh)
+    g2.load_state_dict(json.loads(json.dumps(state)))  # survives serialization
+    g2.setup()
+    assert fresh.clip["max_norm"] == 1.0 and fresh.net.layer.dropout.p == 0.0
+    assert g2.state_dict() == state
+    g2.load_state_dict({})  # an old checkpoint without the guard's keys loads
+    assert g2.recoveries == 0
+
+
+def test_static_stall_without_scale_remedy_escalates_to_rollback(tmp_path):
+    io = FakeIO(str(tmp_path), mode="static")
+    guard = make_guard(io, static_patience=2, confirm_steps=1)
+    run(io, guard, 10)
+    for i in range(2):
+        io.train_step(poison_grad=True)
+        guard.after_iter()
+        io.iter += 1
+    assert guard.recoveries == 1  # FakeIO offers no make_scale_dynamic
+    assert "no scale remedy available" in read_incidents(str(tmp_path))[0]["reason"]
+
+
+def test_check_checkpoint_refuses_nonfinite(tmp_path):
+    io = FakeIO(str(tmp_path))
+    guard = make_guard(io)
+    sd = {k: v.clone() for k, v in io.net.state_dict().items()}
+    guard.check_checkpoint({"state_dict": sd}, "x.pth")
+    sd["out.bias"][0] = math.inf
+    with pytest.raises(UnsafeCheckpointError, match=r"x\.pth holds non-finite values \(first: out\.bias\)"):
+        guard.check_checkpoint({"state_dict": sd}, "x.pth")
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, needle",
+    [
+        (dict(check_interval=0), ValueError, "check_interval must be an integer >= 1, got 0"),
+        (dict(snapshot_interval=-5), ValueError, "snapshot_interval must be an integer >= 1, got -5"),
+        (dict(keep_snapshots=1), ValueError, "keep_snapshots must be an integer >= 2, got 1"),
+        (dict(max_recoveries=-1), ValueError, "max_recoveries must be an integer >= 0, got -1"),
+        (dict(max_norm=0), ValueError, "max_norm must be a finite number > 0, got 0"),
+        (dict(max_norm=-1.0), ValueError, "got -1.0"),
+        (dict(max_norm_schedule=[10, math.inf]), ValueError, "got inf"),
+        (dict(max_norm_schedule=[]), ValueError, "max_norm_schedule must not be empty"),
+        (dict(remedies=["clip", "pray"]), ValueError, "unknown remedy 'pray'"),
+        (dict(remedies="clip"), TypeError, "got the string 'clip'"),
+        (dict(dropout_scope="heads"), ValueError, "dropout_scope must be 'transformer' or 'all', got 'heads'"),
+        (dict(patience=0), ValueError, "patience must be an integer >= 1, got 0"),
+        (dict(confirm_steps=1.5), ValueError, "confirm_steps must be an integer >= 0, got 1.5"),
+    ],
+)
+def test_bad_config_names_argument_and_value(kwargs, err, needle):
+    with pytest.raises(err, match=needle.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        GuardConfig(**kwargs)
