@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -276,8 +277,8 @@ def _run_one(key: str, label: str, root: str, s: DemoSettings, train: list, held
     from petr_stability.core.incidents import read_incidents
 
     work_dir = os.path.join(root, {"a": "a_default", "b": "b_seed_fix", "c": "c_guarded"}[key])
-    if os.path.exists(os.path.join(work_dir, "nan_guard_incidents.jsonl")):
-        os.remove(os.path.join(work_dir, "nan_guard_incidents.jsonl"))
+    if os.path.isdir(work_dir):
+        shutil.rmtree(work_dir)  # the demo's own output of an earlier run: the report must see this run only
     result = RunResult(key, label)
     t0 = time.perf_counter()
     runner = _build_runner(key, work_dir, s, train, _progress_hooks(result, work_dir, s.iters, echo))
