@@ -183,6 +183,11 @@ class GuardIO(abc.ABC):
     def restore_scale_mode(self, dynamic: bool) -> None:
         """Re-applies a scale-mode remedy after a resume."""
 
+    def health_check_due(self) -> bool:
+        """True when this rank wants a full health check on this iteration (e.g. it just saved a non-finite
+        checkpoint); the verdict is agreed across ranks as usual."""
+        return False
+
 
 class NanGuard:
     """Watches every step and recovers from a confirmed divergence.
@@ -210,7 +215,6 @@ class NanGuard:
         self._failed_paths: set = set()
         self._last_restored_path: Optional[str] = None
         self.last_snapshot_seconds = 0.0
-        self._steps_seen = 0
 
     # ------------------------------------------------------------------ setup and persistence
     def setup(self) -> None:
@@ -262,13 +266,13 @@ class NanGuard:
         signals = StepSignals(iteration, stepped, grad_norm, self.io.loss(), None, mode)
         if skipped:
             signals.step_applied = False
-        first = self._steps_seen == 0
-        self._steps_seen += 1
-        snapshot_due = stepped and (first or (iteration + 1) % self.config.snapshot_interval == 0)
+        # The first healthy step of a run (or after the ring was emptied) is snapshotted at once, so a state to
+        # return to exists as early as possible; then every snapshot_interval iterations.
+        snapshot_due = stepped and (len(self.ring) == 0 or (iteration + 1) % self.config.snapshot_interval == 0)
         if signals.suspicious:
             signals.loss_scale = _scale_of(scaler)
             signals.weights_finite = self._healthy(optimizer=True)
-        elif snapshot_due:
+        elif snapshot_due or self.io.health_check_due():
             signals.weights_finite = self._healthy(optimizer=True)
         elif (iteration + 1) % self.config.check_interval == 0:
             signals.weights_finite = self._healthy(optimizer=False)

@@ -11,10 +11,14 @@ from .flags import HAS_SAFE_GLOBALS, HAS_WEIGHTS_ONLY
 
 __all__ = ["MMENGINE_CHECKPOINT_GLOBALS", "resolve_globals", "safe_load", "allow_globals"]
 
-#: Dotted names of the non-tensor types an MMEngine checkpoint pickles (its message hub keeps
-#: ``HistoryBuffer`` objects holding numpy arrays and scalars). Nothing here can run code on load.
+#: Dotted names of the non-tensor globals an MMEngine checkpoint pickles: its message hub keeps
+#: ``HistoryBuffer`` objects holding numpy arrays and scalars, and each buffer pickles its bound statistic
+#: methods as ``getattr(buffer, 'mean')``. ``getattr`` is safe in this list because torch's weights-only
+#: unpickler calls only allowlisted callables: whatever ``getattr`` returns can never be called.
 MMENGINE_CHECKPOINT_GLOBALS: Sequence[str] = (
     "mmengine.logging.history_buffer.HistoryBuffer",
+    "builtins.getattr",
+    "_codecs.encode",
     "numpy.core.multiarray._reconstruct",
     "numpy._core.multiarray._reconstruct",
     "numpy.core.multiarray.scalar",

@@ -127,7 +127,7 @@ def test_max_norm_schedule_tightens_per_incident(tmp_path):
     io = FakeIO(str(tmp_path), mode="dynamic")
     guard = make_guard(io, max_norm_schedule=[10.0, 3.0, 1.0], confirm_steps=1)
     seen = []
-    for k in range(4):
+    for _ in range(4):
         run(io, guard, io.iter + 8, faults={io.iter + 6: "weights"})
         seen.append(io.clip["max_norm"])
     assert seen == [10.0, 3.0, 1.0, 1.0]
@@ -152,7 +152,7 @@ def test_static_stall_without_scale_remedy_escalates_to_rollback(tmp_path):
     io = FakeIO(str(tmp_path), mode="static")
     guard = make_guard(io, static_patience=2, confirm_steps=1)
     run(io, guard, 10)
-    for i in range(2):
+    for _ in range(2):
         io.train_step(poison_grad=True)
         guard.after_iter()
         io.iter += 1

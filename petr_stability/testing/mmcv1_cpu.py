@@ -1,0 +1,71 @@
+"""CPU stand-ins for MMCV 1.x's CUDA-only fp16 pieces, plus the PETR-shaped model with an MMCV-1 ``train_step``."""
+from typing import Any, Dict, List, Optional
+
+import torch
+from mmcv.runner import HOOKS, Fp16OptimizerHook
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..core.flags import make_grad_scaler
+from .petr_like import build_petr_like
+
+__all__ = ["CPUFp16OptimizerHook", "PETRLikeMMCV1", "ListDataset"]
+
+
+@HOOKS.register_module(force=True)
+class CPUFp16OptimizerHook(Fp16OptimizerHook):
+    """MMCV's ``Fp16OptimizerHook`` (GradScaler variant) with a CPU ``torch.amp.GradScaler`` swapped in.
+
+    MMCV builds ``torch.cuda.amp.GradScaler``, which disables itself without a GPU; everything else, the
+    ``after_train_iter`` step logic and ``_scale_update_param`` included, is MMCV's unchanged.
+    """
+
+    def __init__(self, loss_scale: Any = 512.0, **kwargs: Any) -> None:
+        super().__init__(loss_scale=loss_scale, **kwargs)
+        if isinstance(loss_scale, float):
+            self.loss_scaler = make_grad_scaler("cpu", init_scale=loss_scale)
+        elif isinstance(loss_scale, dict):
+            self.loss_scaler = make_grad_scaler("cpu", **loss_scale)
+        else:
+            self.loss_scaler = make_grad_scaler("cpu")
+
+
+class PETRLikeMMCV1(nn.Module):
+    """The PETR-shaped model behind MMCV 1.x's ``train_step(data, optimizer)`` interface.
+
+    ``fp16_enabled`` is flipped to True by MMCV's ``wrap_fp16_model`` (``Fp16OptimizerHook.before_run``), as
+    mmdet's ``auto_fp16`` detectors are; the forward then runs under CPU fp16 autocast.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.net = build_petr_like(**kwargs)
+        self.fp16_enabled = False
+
+    def forward(self, inputs: torch.Tensor, cls_t: torch.Tensor, reg_t: torch.Tensor) -> Dict[str, torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=self.fp16_enabled):
+            return self.net.losses(inputs, cls_t, reg_t)
+
+    def train_step(self, data: Dict[str, torch.Tensor], optimizer: Any = None, **kwargs: Any) -> Dict[str, Any]:
+        losses = self(**data)
+        loss = sum(losses.values())
+        log_vars = {k: float(v) for k, v in losses.items()}
+        log_vars["loss"] = float(loss)
+        return dict(loss=loss, log_vars=log_vars, num_samples=int(data["inputs"].shape[0]))
+
+    def val_step(self, data: Dict[str, torch.Tensor], optimizer: Optional[Any] = None, **kwargs: Any) -> Dict:
+        with torch.no_grad():
+            return self.train_step(data, optimizer)
+
+
+class ListDataset(Dataset):
+    """A dataset over a list of samples."""
+
+    def __init__(self, samples: List[dict]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples[i]

@@ -1,0 +1,236 @@
+"""NanGuardHook in a real MMEngine Runner on the PETR-shaped model (seed layer config), CPU fp16 and fp32."""
+import glob
+import math
+import os
+import time
+
+import pytest
+import torch
+from harness import build_runner, guard_hook, params_finite
+from mmengine.registry import HOOKS
+
+import petr_stability
+from petr_stability import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError, read_incidents
+from petr_stability.core.safe_load import safe_load
+
+SMALL = dict(num_layers=1, num_query=16)
+GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
+
+
+def losses(runner):
+    return list(runner.message_hub.get_scalar("train/loss").data[0])
+
+
+def dropouts(runner):
+    head = runner.model.net.pts_bbox_head
+    return [m.p for m in head.modules() if isinstance(m, torch.nn.Dropout)] + [
+        m.dropout for m in head.modules() if isinstance(m, torch.nn.MultiheadAttention)
+    ]
+
+
+def all_ckpts_finite(work_dir):
+    files = glob.glob(os.path.join(work_dir, "*.pth"))
+    assert files, "no checkpoint was written"
+    for f in files:
+        ckpt = safe_load(f)
+        assert all(bool(torch.isfinite(v).all()) for v in ckpt["state_dict"].values() if v.is_floating_point()), f
+    return files
+
+
+def test_poisoned_weights_recover_finish_and_checkpoints_stay_finite(tmp_path):
+    wd = str(tmp_path)
+    runner = build_runner(wd, amp="dynamic", max_iters=40, guard=GUARD, model_kwargs=SMALL,
+                          faults=[dict(kind="weights", iters=[22], value="nan")],
+                          checkpoint=dict(interval=11))
+    runner.train()
+    assert runner.iter == 40 and params_finite(runner)
+    (rec,) = read_incidents(wd)
+    assert rec["event"] == "divergence" and rec["signals"]["weights_finite"] is False
+    # PETR's nan_to_num: the poisoned step still logged a finite loss.
+    assert math.isfinite(rec["signals"]["loss"])
+    assert rec["restored_from"] == {"source": "memory", "iteration": 14, "iteration_now": 14}
+    assert rec["iterations_lost"] == 7
+    assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
+    assert set(dropouts(runner)) == {0.0}
+    assert runner.model.net.img_backbone.drop_path.drop_prob == 0.1  # backbone DropPath untouched
+    hist = losses(runner)
+    assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5  # it kept learning
+    all_ckpts_finite(wd)
+    assert runner.message_hub.get_scalar("train/nan_guard/incidents").current() == 1.0
+
+
+def test_one_overflow_and_calibration_overflows_change_nothing(tmp_path):
+    runner = build_runner(str(tmp_path), amp=dict(init_scale=2.0 ** 30), max_iters=30, guard=GUARD,
+                          model_kwargs=SMALL, faults=[dict(kind="grads", iters=[25], value="inf")])
+    before = dropouts(runner)
+    assert max(before) == 0.1
+    runner.train()
+    hook = guard_hook(runner)
+    assert hook.guard.skipped_steps >= 12  # calibration from 2**30 plus the planted overflow
+    assert hook.guard.recoveries == 0 and read_incidents(str(tmp_path)) == []
+    assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 35
+    assert dropouts(runner) == before
+
+
+def test_fp32_transient_nan_step_is_skipped_and_weights_stay_finite(tmp_path):
+    runner = build_runner(str(tmp_path), amp=None, max_iters=20, guard=GUARD, model_kwargs=SMALL,
+                          faults=[dict(kind="grads", iters=[12], value="nan")])
+    runner.train()
+    assert params_finite(runner) and guard_hook(runner).guard.recoveries == 0
+    assert guard_hook(runner).guard.skipped_steps == 1
+
+
+def test_fp32_without_skip_nan_step_is_a_divergence_at_once(tmp_path):
+    runner = build_runner(str(tmp_path), amp=None, max_iters=25, guard=dict(GUARD, skip_nonfinite_fp32=False),
+                          model_kwargs=SMALL, faults=[dict(kind="grads", iters=[12], value="nan")])
+    runner.train()
+    (rec,) = read_incidents(str(tmp_path))
+    assert rec["iteration"] == 12 and rec["signals"]["scale_mode"] == "none"
+    assert params_finite(runner) and runner.iter == 25
+
+
+def test_unguarded_control_run_is_actually_poisoned(tmp_path):
+    # The fault is real: without the hook the same plan leaves NaN weights while the loss stays finite.
+    runner = build_runner(str(tmp_path), amp="dynamic", max_iters=30, guard=None, model_kwargs=SMALL,
+                          faults=[dict(kind="weights", iters=[22], value="nan")])
+    runner.train()
+    assert not params_finite(runner)
+    assert math.isfinite(losses(runner)[-1])
+
+
+def test_epoch_loop_fault_on_last_iteration_of_epoch_and_run(tmp_path):
+    # 16 samples / batch 2 = 8 iterations per epoch; iteration 8 ends epoch 1. The snapshot of iteration 5 has
+    # only 2 of its 3 clean steps then, so the rollback goes to iteration 1 and costs 7 counted iterations: the
+    # run's last iteration is counted 24 - 7 = 17.
+    wd = str(tmp_path)
+    runner = build_runner(wd, amp=dict(init_scale=64.0), max_iters=None, max_epochs=3, n_samples=16, guard=GUARD,
+                          model_kwargs=SMALL, checkpoint=dict(interval=1, max_keep_ckpts=1),
+                          faults=[dict(kind="weights", iters=[8, 17], value="nan")])
+    runner.train()
+    assert runner.epoch == 3 and params_finite(runner)
+    recs = read_incidents(wd)
+    assert [(r["iteration"], r["epoch"]) for r in recs] == [(8, 0), (17, 2)]
+    assert recs[0]["iterations_lost"] == 7
+    lost = sum(r["iterations_lost"] for r in recs)
+    assert runner.iter == 24 - lost  # epochs end with their data; counted iterations come out short
+    (only,) = all_ckpts_finite(wd)
+    with open(os.path.join(wd, "last_checkpoint")) as f:
+        assert os.path.basename(f.read().strip()) == os.path.basename(only)
+
+
+def test_iter_loop_fault_on_last_iteration_still_ends_healthy(tmp_path):
+    wd = str(tmp_path)
+    runner = build_runner(wd, amp="dynamic", max_iters=20, guard=GUARD, model_kwargs=SMALL,
+                          checkpoint=dict(interval=20, max_keep_ckpts=1),
+                          faults=[dict(kind="weights", iters=[20], value="nan")])
+    runner.train()
+    assert runner.iter == 20 and params_finite(runner)  # max_iters counted steps, after the rollback
+    assert read_incidents(wd)[0]["iteration"] == 20
+    all_ckpts_finite(wd)
+
+
+def test_lr_after_rollback_is_the_one_the_restored_counter_implies(tmp_path):
+    # LinearLR warms up over 10 iterations: a wrong scheduler state after the rollback shows in the LR.
+    # A small initial scale avoids the calibration overflows, so the snapshot at iteration 5 is confirmed.
+    clean = build_runner(str(tmp_path / "clean"), amp=dict(init_scale=64.0), max_iters=12, guard=GUARD,
+                         model_kwargs=SMALL)
+    clean.train()
+    lr_clean = list(clean.message_hub.get_scalar("train/lr").data[0])
+    bad = build_runner(str(tmp_path / "bad"), amp=dict(init_scale=64.0), max_iters=12, guard=GUARD, model_kwargs=SMALL,
+                       faults=[dict(kind="weights", iters=[9], value="nan")])
+    bad.train()
+    lr_bad = list(bad.message_hub.get_scalar("train/lr").data[0])
+    # The history was rolled back with the state: the tail equals the clean run iteration for iteration.
+    assert lr_bad[-12:] == pytest.approx(lr_clean[-12:])
+    assert read_incidents(str(tmp_path / "bad"))[0]["restored_from"]["iteration"] == 4
+
+
+def test_resume_keeps_remedies_and_counters(tmp_path):
+    wd = str(tmp_path)
+    r1 = build_runner(wd, amp="dynamic", max_iters=20, guard=GUARD, model_kwargs=SMALL,
+                      checkpoint=dict(interval=20), faults=[dict(kind="weights", iters=[12], value="nan")])
+    r1.train()
+    r2 = build_runner(wd, amp="dynamic", max_iters=30, guard=GUARD, model_kwargs=SMALL, resume=True)
+    r2.train()
+    g = guard_hook(r2).guard
+    assert g.recoveries == 1 and g.dropout_zeroed
+    assert r2.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
+    assert set(dropouts(r2)) == {0.0}
+    assert r2.iter == 30
+
+
+def test_endless_divergence_stops_cleanly_in_bounded_time(tmp_path):
+    t0 = time.time()
+    runner = build_runner(str(tmp_path), amp="dynamic", max_iters=200, model_kwargs=SMALL,
+                          guard=dict(GUARD, max_recoveries=2),
+                          faults=[dict(kind="weights", iters=list(range(12, 200)), value="nan")])
+    with pytest.raises(NanGuardGaveUp) as err:
+        runner.train()
+    assert "nan_guard_incidents.jsonl" in str(err.value)
+    assert time.time() - t0 < 120
+    assert read_incidents(str(tmp_path))[-1]["event"] == "gave_up"
+
+
+def test_divergence_before_any_healthy_state(tmp_path):
+    runner = build_runner(str(tmp_path), amp="dynamic", max_iters=20, guard=GUARD, model_kwargs=SMALL,
+                          faults=[dict(kind="weights", iters=[2], value="nan")])
+    with pytest.raises(NoHealthyStateError, match="no snapshot is confirmed yet"):
+        runner.train()
+
+
+def test_no_clip_grad_gets_an_observing_clip(tmp_path):
+    runner = build_runner(str(tmp_path), amp="dynamic", max_iters=20, guard=GUARD, model_kwargs=SMALL,
+                          clip_grad=None, faults=[dict(kind="weights", iters=[12], value="nan")])
+    runner.train()
+    assert runner.message_hub.get_scalar("train/grad_norm") is not None
+    assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0  # inf -> 1 after the incident
+    assert params_finite(runner)
+
+
+def test_gradient_accumulation_judges_only_stepping_iterations(tmp_path):
+    runner = build_runner(str(tmp_path), amp="dynamic", max_iters=24, guard=GUARD, model_kwargs=SMALL,
+                          accumulative_counts=2, faults=[dict(kind="loss", iters=[15], value="nan")])
+    runner.train()
+    # The NaN loss at iteration 15 (no step) poisons the gradient stepped at 16: one harmless skip there.
+    g = guard_hook(runner).guard
+    assert g.recoveries == 0 and g.skipped_steps >= 1 and params_finite(runner)
+
+
+def test_loading_a_nonfinite_checkpoint_is_refused(tmp_path):
+    wd = str(tmp_path)
+    r1 = build_runner(wd, amp="dynamic", max_iters=10, guard=None, model_kwargs=SMALL,
+                      checkpoint=dict(interval=10), faults=[dict(kind="weights", iters=[10], value="nan")])
+    r1.train()
+    r2 = build_runner(str(tmp_path / "b"), amp="dynamic", max_iters=12, guard=GUARD, model_kwargs=SMALL)
+    r2._load_from = os.path.join(wd, "iter_10.pth")
+    with pytest.raises(UnsafeCheckpointError, match="non-finite"):
+        r2.train()
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(snapshot_interval=0), "snapshot_interval must be an integer >= 1, got 0"),
+        (dict(remedies=["clip", "reboot"]), "unknown remedy 'reboot'"),
+        (dict(max_norm=-1), "max_norm must be a finite number > 0, got -1"),
+    ],
+)
+def test_bad_hook_arguments_fail_at_build_time(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        HOOKS.build(dict(type="NanGuardHook", **kwargs))
+
+
+def test_hook_resolves_from_mmdet3d_scope(monkeypatch):
+    from mmdet3d.registry import HOOKS as MMDET3D_HOOKS
+    from mmengine.registry import DefaultScope
+
+    # mmdet3d's registry first imports mmdet3d.engine.hooks, which needs mmcv's compiled ops (absent from
+    # mmcv-lite); mark that import done so that the real lookup (child scope, then MMEngine's root) runs.
+    monkeypatch.setattr(MMDET3D_HOOKS, "_imported", True)
+    assert MMDET3D_HOOKS.parent is HOOKS
+    assert "NanGuardHook" not in MMDET3D_HOOKS.module_dict
+    with DefaultScope.overwrite_default_scope("mmdet3d"):
+        hook = MMDET3D_HOOKS.build(dict(type="NanGuardHook", snapshot_interval=100))
+        drill = MMDET3D_HOOKS.build(dict(type="FaultInjectionHook", faults=[dict(kind="loss", iters=[3])]))
+    assert isinstance(hook, petr_stability.NanGuardHook) and hook.config.snapshot_interval == 100
+    assert isinstance(drill, petr_stability.FaultInjectionHook)
