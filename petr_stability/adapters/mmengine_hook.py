@@ -18,6 +18,7 @@ from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
 
+from ..core.distributed import get_rank
 from ..core.errors import UnsafeCheckpointError
 from ..core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
 from ..core.guard import GuardConfig, GuardIO, NanGuard
@@ -25,6 +26,7 @@ from ..core.health import all_finite, iter_tensors
 from ..core.remedies import Change, ClipProbe, observing_clip
 from ..core.safe_load import MMENGINE_CHECKPOINT_GLOBALS, resolve_globals, safe_load
 from ..core.snapshot import copy_to_host
+from .common import write_config_fix
 
 __all__ = ["NanGuardHook", "MMEngineIO"]
 
@@ -35,10 +37,11 @@ STATE_KEY = "nan_guard"
 class MMEngineIO(GuardIO):
     """Where an MMEngine runner keeps what the guard reads and changes."""
 
-    def __init__(self, runner: Any, skip_nonfinite_fp32: bool = True) -> None:
+    def __init__(self, runner: Any, skip_nonfinite_fp32: bool = True, write_patched_config: bool = True) -> None:
         self.runner = runner
         self.work_dir = runner.work_dir
         self.skip_nonfinite_fp32 = skip_nonfinite_fp32
+        self.write_patched_config = write_patched_config
         self.probes: List[ClipProbe] = []
 
     # -- objects
@@ -178,6 +181,10 @@ class MMEngineIO(GuardIO):
                 if hasattr(w, "loss_scaler"):
                     w._scale_update_param = None
 
+    def after_incident(self, record: Dict[str, Any]) -> None:
+        if self.write_patched_config and get_rank() == 0:
+            write_config_fix(self.runner.cfg, self.work_dir, self.clip_settings(), self.log)
+
     # -- output
     def log(self, msg: str, level: str = "info") -> None:
         print_log(msg, logger="current", level=_LEVELS.get(level, logging.INFO))
@@ -210,7 +217,7 @@ class NanGuardHook(Hook):
         self.guard: Optional[NanGuard] = None
 
     def before_run(self, runner: Any) -> None:
-        self.io = MMEngineIO(runner, self.config.skip_nonfinite_fp32)
+        self.io = MMEngineIO(runner, self.config.skip_nonfinite_fp32, self.config.write_patched_config)
         self.guard = NanGuard(self.config, self.io)
         if self.allow_mmengine_resume and WEIGHTS_ONLY_IS_DEFAULT and HAS_SAFE_GLOBALS:
             types = resolve_globals(MMENGINE_CHECKPOINT_GLOBALS)

@@ -67,6 +67,9 @@ class GuardConfig:
             (as a loss scaler does) instead of letting NaN into the weights. Defaults to True.
         restore_from_checkpoints: when no confirmed snapshot exists, roll back to the newest finite
             checkpoint in the work dir. Defaults to True.
+        write_patched_config: after an incident, rank 0 writes ``<work_dir>/nan_guard_patched_config.py``: the
+            run's config with the seed's fix (transformer dropout 0, the live ``max_norm``), so that the next
+            run starts stable. Defaults to True.
     """
 
     patience: int = 3
@@ -84,6 +87,7 @@ class GuardConfig:
     dropout_exclude: Sequence[str] = ("backbone", "img_backbone")
     skip_nonfinite_fp32: bool = True
     restore_from_checkpoints: bool = True
+    write_patched_config: bool = True
     detector: DetectorConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +110,9 @@ class GuardConfig:
             raise ValueError(f"unknown remedy {unknown[0]!r}; choose from {list(REMEDIES)}")
         if self.dropout_scope not in ("transformer", "all"):
             raise ValueError(f"dropout_scope must be 'transformer' or 'all', got {self.dropout_scope!r}")
+        for name in ("skip_nonfinite_fp32", "restore_from_checkpoints", "write_patched_config"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.dropout_exclude, str):
             raise TypeError(f"dropout_exclude must be a list of prefixes, got the string {self.dropout_exclude!r}")
 
@@ -182,6 +189,9 @@ class GuardIO(abc.ABC):
 
     def restore_scale_mode(self, dynamic: bool) -> None:
         """Re-applies a scale-mode remedy after a resume."""
+
+    def after_incident(self, record: Dict[str, Any]) -> None:
+        """Called on every rank after an incident was handled and logged (for example to write a patched config)."""
 
     def health_check_due(self) -> bool:
         """True when this rank wants a full health check on this iteration (e.g. it just saved a non-finite
@@ -352,6 +362,7 @@ class NanGuard:
         self.actions_tried.append(f"iter {signals.iteration + 1}: {change.target} {change.old} -> {change.new}")
         record = self._record("stalled", signals, decision, [change])
         self.incidents.write(record)
+        self.io.after_incident(record)
         self.io.log(
             f"NanGuard: static loss scale stalled training at iter {signals.iteration + 1} ({decision.reason}); "
             f"{change.target}: {change.old} -> {change.new}",
@@ -392,6 +403,7 @@ class NanGuard:
         record = self._record("divergence", signals, decision, changes)
         record.update(restored_from=restored or None, iterations_lost=lost, epoch=epoch)
         self.incidents.write(record)
+        self.io.after_incident(record)
         where = (f"rolled back to iter {restored['iteration'] + 1} from {restored['source']}, "
                  f"{lost} iteration(s) lost" if restored else "no rollback (disabled)")
         self.io.log(

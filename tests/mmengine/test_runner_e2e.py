@@ -7,11 +7,13 @@ import time
 import pytest
 import torch
 from harness import build_runner, guard_hook, params_finite
+from mmengine.config import Config
 from mmengine.registry import HOOKS
 
 import petr_stability
 from petr_stability import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError, read_incidents
 from petr_stability.core.safe_load import safe_load
+from petr_stability.testing.petr_like import SEED_LAYER_CFG
 
 SMALL = dict(num_layers=1, num_query=16)
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
@@ -39,9 +41,11 @@ def all_ckpts_finite(work_dir):
 
 def test_poisoned_weights_recover_finish_and_checkpoints_stay_finite(tmp_path):
     wd = str(tmp_path)
+    cfg = dict(model=dict(type="PETRLikeModel", pts_bbox_head=dict(transformer=dict(decoder=dict(
+        transformerlayers=SEED_LAYER_CFG)))), optim_wrapper=dict(clip_grad=dict(max_norm=35, norm_type=2)))
     runner = build_runner(wd, amp="dynamic", max_iters=40, guard=GUARD, model_kwargs=SMALL,
                           faults=[dict(kind="weights", iters=[22], value="nan")],
-                          checkpoint=dict(interval=11))
+                          checkpoint=dict(interval=11), cfg=cfg)
     runner.train()
     assert runner.iter == 40 and params_finite(runner)
     (rec,) = read_incidents(wd)
@@ -57,6 +61,11 @@ def test_poisoned_weights_recover_finish_and_checkpoints_stay_finite(tmp_path):
     assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5  # it kept learning
     all_ckpts_finite(wd)
     assert runner.message_hub.get_scalar("train/nan_guard/incidents").current() == 1.0
+    # The next run can start from the fix: the run's config, patched, in the work dir.
+    patched = Config.fromfile(os.path.join(wd, "nan_guard_patched_config.py"))
+    assert patched.optim_wrapper.clip_grad.max_norm == 1.0
+    layer = patched.model.pts_bbox_head.transformer.decoder.transformerlayers
+    assert [a["dropout"] for a in layer["attn_cfgs"]] == [0, 0] and layer["ffn_dropout"] == 0
 
 
 def test_one_overflow_and_calibration_overflows_change_nothing(tmp_path):
