@@ -13,12 +13,12 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from mmengine.hooks import Hook
+from mmengine.hooks import CheckpointHook, Hook
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
 
-from ..core.distributed import get_rank
+from ..core.distributed import get_rank, is_distributed
 from ..core.errors import UnsafeCheckpointError
 from ..core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
 from ..core.guard import GuardConfig, GuardIO, NanGuard
@@ -43,6 +43,7 @@ class MMEngineIO(GuardIO):
         self.skip_nonfinite_fp32 = skip_nonfinite_fp32
         self.write_patched_config = write_patched_config
         self.probes: List[ClipProbe] = []
+        self.save_due = False
 
     # -- objects
     def _wrappers(self) -> List[Tuple[str, Any]]:
@@ -76,8 +77,11 @@ class MMEngineIO(GuardIO):
     # -- signals
     def read_step(self) -> Tuple[bool, Optional[float], bool]:
         stepped, skipped, norms = False, False, []
+        # With one optimizer, MMEngine already read this step's norm into the message hub: reuse that float
+        # instead of reading the tensor from the device again.
+        hub = self.runner.message_hub.log_scalars.get("train/grad_norm") if len(self.probes) == 1 else None
         for probe in self.probes:
-            s, n, k = probe.read()
+            s, n, k = probe.read(hub.current() if hub is not None and probe.stepped else None)
             stepped, skipped = stepped or s, skipped or k
             if n is not None:
                 norms.append(n)
@@ -181,6 +185,23 @@ class MMEngineIO(GuardIO):
                 if hasattr(w, "loss_scaler"):
                     w._scale_update_param = None
 
+    def health_check_due(self) -> bool:
+        return self.save_due
+
+    def checkpoint_due(self, batch_idx: int) -> bool:
+        """True when a CheckpointHook will save after this iteration (it runs later, on rank 0 only)."""
+        runner = self.runner
+        for hook in runner.hooks:
+            if not isinstance(hook, CheckpointHook):
+                continue
+            if hook.by_epoch:
+                if hook.end_of_epoch(runner.train_dataloader, batch_idx):
+                    return True
+            elif hook.every_n_train_iters(runner, hook.interval, hook.save_begin) or (
+                    hook.save_last and hook.is_last_train_iter(runner)):
+                return True
+        return False
+
     def after_incident(self, record: Dict[str, Any]) -> None:
         if self.write_patched_config and get_rank() == 0:
             write_config_fix(self.runner.cfg, self.work_dir, self.clip_settings(), self.log)
@@ -234,6 +255,9 @@ class NanGuardHook(Hook):
         self.guard.setup()
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        # Runner.save_checkpoint (and so before_save_checkpoint) runs on rank 0 only, where no collective may
+        # run: under DDP the state about to be saved is checked here instead, on every rank, and agreed.
+        self.io.save_due = is_distributed() and self.io.checkpoint_due(batch_idx)
         self.guard.after_iter()
 
     def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
@@ -241,7 +265,11 @@ class NanGuardHook(Hook):
             return
         ok = all_finite(iter_tensors(checkpoint.get("state_dict", {}))) and all_finite(
             iter_tensors(checkpoint.get("optimizer", {})))
-        if not self.guard.all_ranks_healthy(ok):
+        if not ok and is_distributed():
+            # Rank 0 alone cannot roll back (the others would not follow); after_train_iter checked this
+            # state on every rank, so this is a save from outside the train loop: refuse it.
+            raise UnsafeCheckpointError("NanGuard: refusing to save a checkpoint with non-finite values")
+        if not ok:  # single process here: no other rank to agree with
             self.guard.recover_now("non-finite state found while saving a checkpoint")
             self.io.fill_checkpoint(checkpoint)
         checkpoint[STATE_KEY] = self.guard.state_dict()

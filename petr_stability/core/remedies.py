@@ -173,10 +173,22 @@ class ClipProbe:
             self._skipped += 1
         return norm
 
-    def read(self) -> Tuple[bool, Optional[float], bool]:
-        """Returns (stepped, grad_norm, skipped_by_probe) since the last read, and resets."""
+    @property
+    def stepped(self) -> bool:
+        """Whether a step was seen since the last :meth:`read`."""
+        return self._calls > 0
+
+    def read(self, host_norm: Optional[float] = None) -> Tuple[bool, Optional[float], bool]:
+        """Returns (stepped, grad_norm, skipped_by_probe) since the last read, and resets.
+
+        Args:
+            host_norm: the same step's norm as a float the runner already read (MMEngine's message hub, MMCV's
+                log buffer). Passing it avoids a second device read of the norm tensor on CUDA.
+        """
         stepped, norm, skipped = self._calls > 0, self._norm, self._skipped > 0
         self._calls, self._skipped, self._norm = 0, 0, None
+        if stepped and host_norm is not None:
+            return stepped, float(host_norm), skipped
         if isinstance(norm, torch.Tensor):
             norm = float(norm)
         return stepped, norm, skipped
