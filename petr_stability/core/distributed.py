@@ -1,23 +1,39 @@
 """Cross-rank agreement on host-side values, so every rank takes the same decision and none waits alone."""
-from typing import Any, List, Optional
+import copy
+import socket
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "get_rank", "get_world_size", "reduce_max", "broadcast_object"]
+__all__ = [
+    "is_distributed",
+    "get_rank",
+    "get_world_size",
+    "reduce_max",
+    "broadcast_object",
+    "strip_tensors",
+    "fill_tensors",
+    "broadcast_payload",
+    "node_group",
+]
 
 _GROUP: Any = None
+_NODE: Optional[Tuple[Any, int, List[int]]] = None
 
 
 def is_distributed() -> bool:
+    """True when a process group with more than one rank is up."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def get_rank() -> int:
+    """This process's global rank (0 when not distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def get_world_size() -> int:
+    """The number of ranks (1 when not distributed)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -50,3 +66,140 @@ def broadcast_object(obj: Optional[Any], src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=_host_group())
     return box[0]
+
+
+class _Slot:
+    """Stands for a tensor inside a stripped payload: its position in the tensor list, shape and dtype."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index: int, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, tuple(shape), dtype
+
+    def __repr__(self) -> str:
+        return f"_Slot({self.index}, {self.shape}, {self.dtype})"
+
+
+def strip_tensors(obj: Any, tensors: Optional[List[torch.Tensor]] = None) -> Tuple[Any, List[torch.Tensor]]:
+    """Splits nested state into a tensor-free skeleton (deep-copied) and its tensors in traversal order.
+
+    The skeleton is small and picklable; :func:`fill_tensors` puts tensors back into it.
+    """
+    tensors = [] if tensors is None else tensors
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1, obj.shape, obj.dtype), tensors
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps OrderedDict and other dict subclasses
+        for k, v in obj.items():
+            out[k] = strip_tensors(v, tensors)[0]
+        return out, tensors
+    if isinstance(obj, (list, tuple)):
+        items = [strip_tensors(v, tensors)[0] for v in obj]
+        return (type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)), tensors
+    return copy.deepcopy(obj), tensors
+
+
+def _slots(skeleton: Any) -> List[_Slot]:
+    if isinstance(skeleton, _Slot):
+        return [skeleton]
+    if isinstance(skeleton, dict):
+        values: Any = skeleton.values()
+    else:
+        values = skeleton if isinstance(skeleton, (list, tuple)) else ()
+    return [s for v in values for s in _slots(v)]
+
+
+def fill_tensors(skeleton: Any, tensors: List[torch.Tensor]) -> Any:
+    """The inverse of :func:`strip_tensors`: a copy of ``skeleton`` with every slot replaced by its tensor."""
+    if isinstance(skeleton, _Slot):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, dict):
+        out = copy.copy(skeleton)
+        for k, v in skeleton.items():
+            out[k] = fill_tensors(v, tensors)
+        return out
+    if isinstance(skeleton, (list, tuple)):
+        items = [fill_tensors(v, tensors) for v in skeleton]
+        return type(skeleton)(*items) if hasattr(skeleton, "_fields") else type(skeleton)(items)
+    return skeleton
+
+
+def _send_view(t: torch.Tensor) -> torch.Tensor:
+    # Gloo has no bool reduction type on every build: bools travel as bytes.
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def broadcast_payload(payload: Any, src: int = 0, group: Any = None, known_structure: bool = False) -> Any:
+    """Sends nested state with tensors from ``src`` to the ranks of ``group`` (default: all ranks).
+
+    The structure travels pickled once; each tensor travels by itself over the gloo host group, so no rank
+    ever holds a second pickled copy of a large state, and the receivers need no filesystem. Every rank of
+    the group must call it at the same point.
+
+    Args:
+        payload: the state on ``src`` (host tensors); elsewhere ignored, or the receiver's own
+            :func:`strip_tensors` skeleton with ``known_structure``.
+        src: the sending global rank. Defaults to 0.
+        group: a gloo process group holding ``src``. Defaults to the host group over all ranks.
+        known_structure: every receiver passes its own skeleton (a per-node snapshot): only a signature is
+            checked and only the tensors travel. Must be the same on all ranks. Defaults to False.
+
+    Returns:
+        The state on every rank (``payload`` itself on ``src``).
+
+    Raises:
+        RuntimeError: a receiver's skeleton does not match the sender's tensors.
+    """
+    if not is_distributed():
+        return payload
+    group = _host_group() if group is None else group
+    me = get_rank()
+    if me == src:
+        sent_skeleton, tensors = strip_tensors(payload)
+        signature = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+    else:
+        sent_skeleton, tensors, signature = None, [], None
+    box = [signature if known_structure else (signature, sent_skeleton)]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if known_structure:
+        signature, skeleton = box[0], payload
+    else:
+        signature, skeleton = box[0]
+    if me != src:
+        slots = _slots(skeleton)
+        mine = [(tuple(s.shape), str(s.dtype)) for s in sorted(slots, key=lambda s: s.index)]
+        if mine != signature:
+            raise RuntimeError(
+                f"rank {me}: the state to receive from rank {src} does not match this rank's structure "
+                f"({len(mine)} tensors here, {len(signature)} there); per-node snapshots need replicated state"
+            )
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots, key=lambda s: s.index)]
+    for i, t in enumerate(tensors):
+        if me == src and not t.is_contiguous():
+            t = tensors[i] = t.contiguous()
+        dist.broadcast(_send_view(t), src=src, group=group)
+    return payload if me == src else fill_tensors(skeleton, tensors)
+
+
+def node_group() -> Tuple[Any, int, List[int]]:
+    """(gloo group of this node's ranks, this node's leader rank, the node's ranks), built once.
+
+    Nodes are told apart by host name, so it works whatever the launcher sets for local ranks. Every rank
+    must call it the first time at the same point (it creates one group per node, on all ranks).
+    """
+    global _NODE
+    if _NODE is None:
+        if not is_distributed():
+            _NODE = (None, 0, [0])
+            return _NODE
+        hosts: List[Any] = [None] * get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname(), group=_host_group())
+        mine = None
+        for host in sorted(set(hosts)):
+            ranks = [r for r, h in enumerate(hosts) if h == host]
+            group = dist.new_group(ranks, backend="gloo")  # every rank takes part in creating every group
+            if get_rank() in ranks:
+                mine = (group, ranks[0], ranks)
+        _NODE = mine
+    return _NODE

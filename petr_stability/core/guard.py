@@ -70,6 +70,9 @@ class GuardConfig:
         write_patched_config: after an incident, rank 0 writes ``<work_dir>/nan_guard_patched_config.py``: the
             run's config with the seed's fix (transformer dropout 0, the live ``max_norm``), so that the next
             run starts stable. Defaults to True.
+        snapshot_copies: ``'rank'`` (every rank keeps its own snapshots) or ``'node'`` (one copy per node,
+            on the node's lowest rank, sent to the others over gloo on restore; for replicated DDP state only,
+            not sharded optimizers). Defaults to ``'rank'``.
     """
 
     patience: int = 3
@@ -88,6 +91,7 @@ class GuardConfig:
     skip_nonfinite_fp32: bool = True
     restore_from_checkpoints: bool = True
     write_patched_config: bool = True
+    snapshot_copies: str = "rank"
     detector: DetectorConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +117,8 @@ class GuardConfig:
         for name in ("skip_nonfinite_fp32", "restore_from_checkpoints", "write_patched_config"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.snapshot_copies not in ("rank", "node"):
+            raise ValueError(f"snapshot_copies must be 'rank' or 'node', got {self.snapshot_copies!r}")
         if isinstance(self.dropout_exclude, str):
             raise TypeError(f"dropout_exclude must be a list of prefixes, got the string {self.dropout_exclude!r}")
 
@@ -320,7 +326,11 @@ class NanGuard:
     def _snapshot(self, iteration: int) -> None:
         t0 = time.perf_counter()
         pin = torch.cuda.is_available()
-        payload = copy_to_host(self.io.capture(), reuse=self.ring.recyclable(), pin=pin)
+        if self._holds_no_tensors():
+            # The node's leader keeps the tensors; this rank keeps the structure and its own small state.
+            payload = distributed.strip_tensors(self.io.capture())[0]
+        else:
+            payload = copy_to_host(self.io.capture(), reuse=self.ring.recyclable(), pin=pin)
         if pin:
             torch.cuda.synchronize()
         _, epoch = self.io.counters()
@@ -424,15 +434,37 @@ class NanGuard:
         snap = self.ring.newest_confirmed()
         if snap is not None:
             self._last_restored_path = None
-            return snap.payload, {"source": "memory", "iteration": snap.iteration}, snap
+            payload = snap.payload
+            if self.config.snapshot_copies == "node" and distributed.is_distributed():
+                group, leader, _ = distributed.node_group()
+                payload = distributed.broadcast_payload(payload, src=leader, group=group, known_structure=True)
+            return payload, {"source": "memory", "iteration": snap.iteration}, snap
         if not self.config.restore_from_checkpoints:
             return None
         return self._checkpoint_target()
+
+    def _holds_no_tensors(self) -> bool:
+        if self.config.snapshot_copies != "node" or not distributed.is_distributed():
+            return False
+        return distributed.node_group()[1] != distributed.get_rank()
 
     def _checkpoint_target(self) -> Optional[Tuple[Dict[str, Any], Dict[str, Any], Optional[Snapshot]]]:
         if self._last_restored_path is not None:
             # Restored from it and diverged again with no snapshot confirmed since: try an older one.
             self._failed_paths.add(self._last_restored_path)
+        # Rank 0 alone lists, reads and checks the files; the others receive its choice and its tensors, so
+        # no shared filesystem is needed and every rank restores the same state (or gives up together).
+        found = self._read_checkpoint() if distributed.get_rank() == 0 else None
+        path = distributed.broadcast_object(found[0] if found else None)
+        if path is None:
+            return None
+        payload = distributed.broadcast_payload(found[1] if found else None)
+        if found is None:
+            self.io.log(f"NanGuard: received checkpoint {path} from rank 0")
+        self._last_restored_path = path
+        return payload, {"source": path, "iteration": int(payload["meta"]["iter"])}, None
+
+    def _read_checkpoint(self) -> Optional[Tuple[str, Dict[str, Any]]]:
         for path in self.io.checkpoint_candidates():
             if path in self._failed_paths:
                 continue
@@ -446,8 +478,7 @@ class NanGuard:
                 self.io.log(f"NanGuard: skipping checkpoint {path}: it holds non-finite values", "warning")
                 self._failed_paths.add(path)
                 continue
-            self._last_restored_path = path
-            return payload, {"source": path, "iteration": int(payload["meta"]["iter"])}, None
+            return path, payload
         return None
 
     def _give_up(self, signals: StepSignals, decision: Decision, error: type, why: str,

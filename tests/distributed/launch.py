@@ -1,0 +1,60 @@
+"""Launches a 2-process CPU (gloo) torchrun job for a test, with a hard timeout, and reads the ranks' results."""
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any, Dict, List, Tuple
+
+__all__ = ["NPROC", "TIMEOUT_S", "free_port", "run_workers", "incident_logs"]
+
+NPROC = 2
+#: A healthy scenario takes 10-25 s on 2 shared CPU cores; past this it is a hang.
+TIMEOUT_S = 150
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(
+    worker: str, scenario: str, out_dir: str, timeout: float = TIMEOUT_S
+) -> Tuple[List[Dict[str, Any]], str]:
+    """Runs ``worker scenario out_dir`` under ``torch.distributed.run`` on 2 local processes.
+
+    Returns:
+        (one result dict per rank, ordered by rank; the job's combined output). Fails the calling test if the
+        job exceeds ``timeout`` (the whole process group is killed) or a rank wrote no result.
+    """
+    import pytest
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(NPROC),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), worker, scenario, out_dir]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{scenario}: no result within {timeout}s (a hang?)\n{out.decode(errors='replace')[-4000:]}")
+    log = out.decode(errors="replace")
+    results = []
+    for rank in range(NPROC):
+        path = os.path.join(out_dir, f"result_rank{rank}.json")
+        if not os.path.exists(path):
+            pytest.fail(f"{scenario}: rank {rank} wrote no result (exit code {proc.returncode})\n{log[-4000:]}")
+        with open(path, encoding="utf-8") as f:
+            results.append(json.load(f))
+    assert proc.returncode == 0, log[-4000:]
+    return results, log
+
+
+def incident_logs(out_dir: str) -> List[str]:
+    """Every incident log written anywhere under the test's directory."""
+    return sorted(glob.glob(os.path.join(out_dir, "**", "nan_guard_incidents.jsonl"), recursive=True))

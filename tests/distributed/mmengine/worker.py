@@ -1,0 +1,91 @@
+"""One rank of a 2-process CPU (gloo) MMEngine run with NanGuardHook; writes its result as JSON for the test."""
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "mmengine"))
+
+SMALL = dict(num_layers=1, num_query=16)
+GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
+
+#: name -> build_runner keyword arguments (work_dir, launcher and cfg are added by the worker).
+SCENARIOS = {
+    # A NaN planted in rank 1's weights only: only rank 1's health check sees it.
+    "weights_one_rank": dict(max_iters=24, guard=GUARD, faults=[dict(kind="weights", iters=[17], ranks=[1])]),
+    # A NaN loss on rank 1 only (MMEngine does not all-reduce the loss), for more steps than the patience.
+    "loss_one_rank": dict(amp=None, max_iters=24, guard=GUARD,
+                          faults=[dict(kind="loss", iters=[16, 17, 18, 19, 20], ranks=[1])]),
+    # The same NaN weights on every rank; one snapshot copy per node (rank 0 holds it, rank 1 receives it).
+    "weights_all_ranks": dict(max_iters=24, guard=dict(GUARD, snapshot_copies="node"),
+                              faults=[dict(kind="weights", iters=[17])]),
+    # Every iteration from 12 on is poisoned on every rank: the budget runs out and all ranks stop together.
+    "endless": dict(max_iters=60, guard=dict(GUARD, max_recoveries=1),
+                    faults=[dict(kind="weights", iters=list(range(12, 61)))]),
+    # No confirmed snapshot yet and no shared filesystem: only rank 0 has the checkpoint of iteration 10.
+    "disk_no_shared_fs": dict(max_iters=24, guard=dict(GUARD, confirm_steps=1000), checkpoint=dict(interval=10),
+                              faults=[dict(kind="weights", iters=[16], ranks=[1])], separate_work_dirs=True),
+}
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    # Parameters only: DDP broadcasts buffers from rank 0 at the *start* of each forward, so BatchNorm
+    # statistics differ between ranks by the last batch after any forward; that is DDP, not the guard.
+    h = hashlib.sha256()
+    for name, t in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("out")
+    args = parser.parse_args()
+    # Gloo before the Runner: MMEngine then skips init_dist (and its torch.cuda.set_device).
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    from harness import build_runner, guard_hook
+
+    kwargs = dict(SCENARIOS[args.scenario])
+    separate = kwargs.pop("separate_work_dirs", False)
+    work_dir = os.path.join(args.out, f"work_rank{rank}" if separate else "work")
+    kwargs.setdefault("model_kwargs", SMALL)
+    runner = build_runner(work_dir, launcher="pytorch",
+                          cfg=dict(model_wrapper_cfg=dict(type="MMDistributedDataParallel", device_ids=None)),
+                          **kwargs)
+    result = dict(rank=rank, world_size=dist.get_world_size(), error=None, error_type=None)
+    t0 = time.perf_counter()
+    try:
+        runner.train()
+    except Exception as exc:  # the test compares the error across ranks
+        result.update(error=str(exc), error_type=type(exc).__name__, traceback=traceback.format_exc())
+    result["seconds"] = time.perf_counter() - t0
+    model = runner.model.module if hasattr(runner.model, "module") else runner.model
+    guard = guard_hook(runner).guard
+    scaler = getattr(runner.optim_wrapper, "loss_scaler", None)
+    result.update(
+        iter=runner.iter,
+        digest=weights_digest(model),
+        finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        guard=guard.state_dict(),
+        loss_scale=float(scaler.get_scale()) if scaler is not None else None,
+        max_norm=runner.optim_wrapper.clip_grad_kwargs.get("max_norm"),
+        snapshot_bytes=guard.ring.nbytes(),
+        snapshots=len(guard.ring),
+    )
+    with open(os.path.join(args.out, f"result_rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, default=str)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
