@@ -1,7 +1,8 @@
 """NanGuardHook for MMEngine runners (plain MMEngine and mmdet3d 1.x scopes).
 
 Lifecycle points used: ``before_run`` (build the guard; allow MMEngine's own resume under torch >= 2.6),
-``before_train`` (install the clip probe, re-apply resumed remedies), ``after_train_iter`` (detect, snapshot,
+``before_train`` (install the clip probe, re-apply resumed remedies), ``before_train_iter`` (keep the batch and
+the RNG state for a diagnosis: a reference and a host copy), ``after_train_iter`` (detect, snapshot, diagnose,
 recover), ``before_save_checkpoint`` / ``after_load_checkpoint`` (persist state; never save or load a
 non-finite checkpoint).
 """
@@ -10,7 +11,7 @@ import glob
 import logging
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from mmengine.hooks import CheckpointHook, Hook
@@ -18,6 +19,7 @@ from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
 
+from ..core.diagnose import capture_rng
 from ..core.distributed import get_rank, is_distributed
 from ..core.errors import UnsafeCheckpointError
 from ..core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
@@ -25,7 +27,7 @@ from ..core.guard import GuardConfig, GuardIO, NanGuard
 from ..core.health import all_finite, iter_tensors
 from ..core.remedies import Change, ClipProbe, observing_clip
 from ..core.safe_load import MMENGINE_CHECKPOINT_GLOBALS, resolve_globals, safe_load
-from ..core.snapshot import copy_to_host
+from ..core.snapshot import copy_to_host, load_optimizer_state
 from .common import write_config_fix
 
 __all__ = ["NanGuardHook", "MMEngineIO"]
@@ -44,6 +46,8 @@ class MMEngineIO(GuardIO):
         self.write_patched_config = write_patched_config
         self.probes: List[ClipProbe] = []
         self.save_due = False
+        self._batch: Any = None
+        self._rng: Optional[Dict[str, Any]] = None
 
     # -- objects
     def _wrappers(self) -> List[Tuple[str, Any]]:
@@ -105,6 +109,29 @@ class MMEngineIO(GuardIO):
     def counters(self) -> Tuple[int, int]:
         return self.runner.iter, self.runner.epoch
 
+    # -- diagnosis
+    def keep_batch(self, data_batch: Any) -> None:
+        """Keeps this iteration's batch (a reference) and the RNG state before its forward (a host copy)."""
+        self._batch, self._rng = data_batch, capture_rng()
+
+    def release_batch(self) -> None:
+        self._batch = self._rng = None
+
+    def rerun_forward(self) -> Optional[Callable[[], Any]]:
+        if self._batch is None:
+            return None
+        model, data, wrapper = self.model(), self._batch, self._wrappers()[0][1]
+
+        def forward() -> Any:
+            # As BaseModel.train_step does, on the unwrapped model: a DDP forward on one rank alone would hang.
+            with wrapper.optim_context(model):
+                return model._run_forward(model.data_preprocessor(data, True), mode="loss")
+
+        return forward
+
+    def rerun_rng_state(self) -> Optional[Dict[str, Any]]:
+        return self._rng
+
     # -- state
     def _schedulers(self) -> List[Any]:
         ps = self.runner.param_schedulers
@@ -127,11 +154,7 @@ class MMEngineIO(GuardIO):
     def restore(self, payload: Dict[str, Any]) -> None:
         model = self.model()
         model.load_state_dict(payload["state_dict"], strict=not payload["meta"].get("from_disk", False))
-        optim_state = payload["optimizer"]
-        if next(model.parameters()).device.type == "cpu":
-            # torch optimizers keep CPU tensors as given: copy, or later steps would write into the snapshot.
-            optim_state = copy_to_host(optim_state)
-        self.runner.optim_wrapper.load_state_dict(dict(optim_state))
+        self._load_optim(payload["optimizer"])
         # Epoch-based schedulers follow the epoch, which a rollback never rewinds.
         for sched, state in zip(self._schedulers(), payload.get("param_schedulers", [])):
             if not getattr(sched, "by_epoch", False):
@@ -147,6 +170,18 @@ class MMEngineIO(GuardIO):
                 w._inner_count = counts[i]
             else:
                 w.initialize_count_status(model, loop._iter + 1, loop.max_iters)
+
+    def _load_optim(self, state: Dict[str, Any]) -> None:
+        # OptimWrapper.load_state_dict would alias CPU tensors of the snapshot and pops its 'loss_scaler' key.
+        ow = self.runner.optim_wrapper
+        states = state if isinstance(ow, OptimWrapperDict) else {None: state}
+        for key, w_state in states.items():
+            w = ow if key is None else ow[key]
+            w_state = dict(w_state)
+            scaler_state = w_state.pop("loss_scaler", None)
+            load_optimizer_state(w.optimizer, w_state)
+            if scaler_state is not None and hasattr(w, "loss_scaler"):
+                w.loss_scaler.load_state_dict(copy.deepcopy(scaler_state))
 
     def fill_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         """Rewrites a checkpoint being saved from the live (just restored) state."""
@@ -254,11 +289,16 @@ class NanGuardHook(Hook):
         self.io.install_probes()
         self.guard.setup()
 
+    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+        if self.config.diagnose:
+            self.io.keep_batch(data_batch)
+
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
         # Runner.save_checkpoint (and so before_save_checkpoint) runs on rank 0 only, where no collective may
         # run: under DDP the state about to be saved is checked here instead, on every rank, and agreed.
         self.io.save_due = is_distributed() and self.io.checkpoint_due(batch_idx)
         self.guard.after_iter()
+        self.io.release_batch()
 
     def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
         if self.guard is None:

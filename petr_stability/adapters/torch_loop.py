@@ -7,7 +7,7 @@ from torch import nn
 
 from ..core.guard import GuardIO
 from ..core.remedies import ClipProbe
-from ..core.snapshot import copy_to_host
+from ..core.snapshot import load_optimizer_state
 
 __all__ = ["TorchLoopIO"]
 
@@ -77,10 +77,7 @@ class TorchLoopIO(GuardIO):
 
     def restore(self, payload: Dict[str, Any]) -> None:
         self.net.load_state_dict(payload["state_dict"])
-        optim_state = payload["optimizer"]
-        if next(self.net.parameters()).device.type == "cpu":
-            optim_state = copy_to_host(optim_state)  # CPU tensors would be shared with the snapshot
-        self.opt.load_state_dict(optim_state)
+        load_optimizer_state(self.opt, payload["optimizer"])
         if self.grad_scaler is not None and "scaler" in payload:
             self.grad_scaler.load_state_dict(copy.deepcopy(payload["scaler"]))
         self.iter = int(payload["meta"]["iter"])

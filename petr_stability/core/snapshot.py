@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "payload_nbytes"]
+__all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "payload_nbytes", "load_optimizer_state"]
 
 
 def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
@@ -43,6 +43,50 @@ def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
         items = [copy_to_host(v, rv, pin) for v, rv in zip(obj, r)]
         return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
     return copy.deepcopy(obj)
+
+
+def _copy_state_inplace(optimizer: Any, saved: Dict[str, Any]) -> bool:
+    live_groups = optimizer.param_groups
+    saved_groups = saved.get("param_groups", [])
+    if len(live_groups) != len(saved_groups):
+        return False
+    pairs = []
+    for live_g, saved_g in zip(live_groups, saved_groups):
+        if len(live_g["params"]) != len(saved_g["params"]):
+            return False
+        for p, idx in zip(live_g["params"], saved_g["params"]):
+            live, old = optimizer.state.get(p, {}), saved["state"].get(idx, {})
+            if set(live) != set(old):
+                return False
+            for k, v in old.items():
+                cur = live[k]
+                if isinstance(v, torch.Tensor) != isinstance(cur, torch.Tensor):
+                    return False
+                if isinstance(v, torch.Tensor) and (v.shape != cur.shape or v.dtype != cur.dtype):
+                    return False
+            pairs.append((live, old))
+    for live, old in pairs:
+        for k, v in old.items():
+            if isinstance(v, torch.Tensor):
+                live[k].copy_(v, non_blocking=True)
+            else:
+                live[k] = copy.deepcopy(v)
+    for live_g, saved_g in zip(live_groups, saved_groups):
+        for k, v in saved_g.items():
+            if k != "params":
+                live_g[k] = copy.deepcopy(v)  # lr, momentum...: schedulers write them here
+    return True
+
+
+def load_optimizer_state(optimizer: Any, state_dict: Dict[str, Any]) -> None:
+    """Loads an optimizer state dict without aliasing it: the snapshot stays intact for a later restore.
+
+    When the live state has the same layout (the usual case: the same optimizer, a few hundred steps later)
+    every tensor is copied into the existing buffers, which costs one copy of the state and allocates nothing;
+    otherwise a private copy is loaded with ``load_state_dict`` (torch keeps CPU tensors as given).
+    """
+    if not _copy_state_inplace(optimizer, state_dict):
+        optimizer.load_state_dict(copy_to_host(state_dict))
 
 
 def payload_nbytes(obj: Any) -> int:

@@ -1,4 +1,5 @@
 """Snapshot ring, host copies, incident log, safe loading and fault planting."""
+import copy
 import math
 import os
 import pickle
@@ -10,6 +11,7 @@ from torch import nn
 from petr_stability.core.errors import UnsafeCheckpointError
 from petr_stability.core.faults import Fault, arm_grad_fault, parse_faults, poison_batch, poison_loss, poison_weights
 from petr_stability.core.flags import HAS_SAFE_GLOBALS
+from petr_stability.core.health import iter_tensors
 from petr_stability.core.incidents import IncidentLog, read_incidents
 from petr_stability.core.safe_load import safe_load
 from petr_stability.core.snapshot import Snapshot, SnapshotRing, copy_to_host, payload_nbytes
@@ -153,3 +155,44 @@ def test_fault_planting_functions():
     assert math.isnan(out["loss_cls"].item()) and out["acc"].item() == 1.0
     batch = {"inputs": torch.ones(2), "labels": torch.ones(2, dtype=torch.long)}
     assert poison_batch(batch, 1e6) == 1 and batch["inputs"][0].item() == 1e6
+
+
+def _trained_adam():
+    m = nn.Linear(3, 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    for _ in range(2):
+        m(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    return m, opt
+
+
+def test_load_optimizer_state_copies_in_place_and_never_aliases_the_snapshot():
+    from petr_stability.core.snapshot import load_optimizer_state
+
+    m, opt = _trained_adam()
+    saved = copy_to_host(opt.state_dict())
+    frozen = copy.deepcopy(saved)
+    buffers = [id(t) for st in opt.state.values() for t in st.values()]
+    opt.param_groups[0]["lr"] = 123.0
+    m(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    load_optimizer_state(opt, saved)
+    assert [id(t) for st in opt.state.values() for t in st.values()] == buffers  # same buffers, no allocation
+    assert opt.param_groups[0]["lr"] == 0.1  # hyper-parameters come back too (schedulers write them)
+    for _ in range(2):  # later steps must not write into the snapshot
+        m(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    for a, b in zip(iter_tensors(saved["state"]), iter_tensors(frozen["state"])):
+        assert torch.equal(a, b)
+
+
+def test_load_optimizer_state_falls_back_when_layout_differs():
+    from petr_stability.core.snapshot import load_optimizer_state
+
+    m, opt = _trained_adam()
+    saved = copy_to_host(opt.state_dict())
+    fresh = torch.optim.AdamW(m.parameters(), lr=0.1)  # no state yet: nothing to copy into
+    load_optimizer_state(fresh, saved)
+    st = next(iter(fresh.state.values()))
+    assert torch.equal(st["exp_avg"], next(iter(saved["state"].values()))["exp_avg"])
+    assert st["exp_avg"] is not next(iter(saved["state"].values()))["exp_avg"]
