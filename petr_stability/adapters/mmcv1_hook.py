@@ -244,6 +244,8 @@ class MMCV1IO(GuardIO):
 
     def quarantine_saves(self) -> None:
         """On giving up: renames poisoned files and points ``latest.pth`` / ``last_ckpt`` at a finite one."""
+        if get_rank() != 0:
+            return  # rank 0 wrote the checkpoints; the others must not race it on the links (shared FS)
         for path in self.poisoned_saves:
             if os.path.exists(path):
                 os.replace(path, path + ".nonfinite")

@@ -19,19 +19,19 @@ GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
 #: name -> build_runner keyword arguments (work_dir, launcher and cfg are added by the worker).
 SCENARIOS = {
     # A NaN planted in rank 1's weights only: only rank 1's health check sees it.
-    "weights_one_rank": dict(max_iters=24, guard=GUARD, faults=[dict(kind="weights", iters=[17], ranks=[1])]),
+    "weights_one_rank": dict(max_iters=18, guard=GUARD, faults=[dict(kind="weights", iters=[12], ranks=[1])]),
     # A NaN loss on rank 1 only (MMEngine does not all-reduce the loss), for more steps than the patience.
-    "loss_one_rank": dict(amp=None, max_iters=24, guard=GUARD,
-                          faults=[dict(kind="loss", iters=[16, 17, 18, 19, 20], ranks=[1])]),
+    "loss_one_rank": dict(amp=None, max_iters=18, guard=GUARD,
+                          faults=[dict(kind="loss", iters=[11, 12, 13, 14, 15], ranks=[1])]),
     # The same NaN weights on every rank; one snapshot copy per node (rank 0 holds it, rank 1 receives it).
-    "weights_all_ranks": dict(max_iters=24, guard=dict(GUARD, snapshot_copies="node"),
-                              faults=[dict(kind="weights", iters=[17])]),
+    "weights_all_ranks": dict(max_iters=18, guard=dict(GUARD, snapshot_copies="node"),
+                              faults=[dict(kind="weights", iters=[12])]),
     # Every iteration from 12 on is poisoned on every rank: the budget runs out and all ranks stop together.
-    "endless": dict(max_iters=60, guard=dict(GUARD, max_recoveries=1),
-                    faults=[dict(kind="weights", iters=list(range(12, 61)))]),
+    "endless": dict(max_iters=30, guard=dict(GUARD, max_recoveries=1),
+                    faults=[dict(kind="weights", iters=list(range(12, 31)))]),
     # No confirmed snapshot yet and no shared filesystem: only rank 0 has the checkpoint of iteration 10.
-    "disk_no_shared_fs": dict(max_iters=24, guard=dict(GUARD, confirm_steps=1000), checkpoint=dict(interval=10),
-                              faults=[dict(kind="weights", iters=[16], ranks=[1])], separate_work_dirs=True),
+    "disk_no_shared_fs": dict(max_iters=16, guard=dict(GUARD, confirm_steps=1000), checkpoint=dict(interval=10),
+                              faults=[dict(kind="weights", iters=[13], ranks=[1])], separate_work_dirs=True),
 }
 
 

@@ -8,9 +8,11 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Tuple
 
-__all__ = ["NPROC", "TIMEOUT_S", "free_port", "run_workers", "incident_logs"]
+__all__ = ["NPROC", "TIMEOUT_S", "SHARED", "free_port", "run_workers", "incident_logs", "run_agreeing"]
 
 NPROC = 2
+#: Guard state that records decisions and their consequences: it must be the same on every rank.
+SHARED = ("recoveries", "stalls", "iterations_lost", "skipped_steps", "dropout_zeroed", "clip", "actions_tried")
 #: A healthy scenario takes 10-25 s on 2 shared CPU cores; past this it is a hang.
 TIMEOUT_S = 150
 
@@ -58,3 +60,29 @@ def run_workers(
 def incident_logs(out_dir: str) -> List[str]:
     """Every incident log written anywhere under the test's directory."""
     return sorted(glob.glob(os.path.join(out_dir, "**", "nan_guard_incidents.jsonl"), recursive=True))
+
+
+def run_agreeing(worker: str, scenario: str, out_dir: str) -> Tuple[Dict[str, Any], Dict[str, Any], List[Dict]]:
+    """Runs a scenario and checks what must hold in every one of them.
+
+    Both ranks end at the same iteration with the same parameters, the same error (or none), the same guard
+    decisions, loss scale and clip setting; exactly one incident log exists.
+
+    Returns:
+        (rank 0's result, rank 1's result, the incident records).
+    """
+    from petr_stability import read_incidents
+
+    (r0, r1), _ = run_workers(worker, scenario, out_dir)
+    assert r0["world_size"] == NPROC
+    assert r0["iter"] == r1["iter"]
+    assert r0["digest"] == r1["digest"], "parameters differ across ranks"
+    if r0["error"] is None:
+        assert r0["finite"] and r1["finite"]
+    assert (r0["error_type"], r0["error"]) == (r1["error_type"], r1["error"])
+    for key in SHARED:
+        assert r0["guard"][key] == r1["guard"][key], key
+    assert (r0["loss_scale"], r0["max_norm"]) == (r1["loss_scale"], r1["max_norm"])
+    logs = incident_logs(out_dir)
+    assert len(logs) == 1, logs
+    return r0, r1, read_incidents(logs[0])
