@@ -14,7 +14,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from mmengine.hooks import CheckpointHook, Hook
+from mmengine.hooks import CheckpointHook, EMAHook, Hook
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
@@ -141,8 +141,14 @@ class MMEngineIO(GuardIO):
             return [s for group in ps.values() for s in group]
         return list(ps)
 
+    def _ema_hook(self) -> Optional[Any]:
+        for hook in self.runner.hooks:
+            if isinstance(hook, EMAHook) and getattr(hook, "ema_model", None) is not None:
+                return hook
+        return None
+
     def capture(self) -> Dict[str, Any]:
-        return {
+        payload = {
             "meta": {"iter": self.runner.iter, "epoch": self.runner.epoch},
             "state_dict": self.model().state_dict(),
             "optimizer": self.runner.optim_wrapper.state_dict(),
@@ -150,6 +156,10 @@ class MMEngineIO(GuardIO):
             "message_hub": {"log_scalars": self.runner.message_hub.log_scalars},
             "inner_count": [w._inner_count for _, w in self._wrappers()],
         }
+        ema = self._ema_hook()
+        if ema is not None:  # the averaged weights go back with the model
+            payload["ema_state_dict"] = ema.ema_model.state_dict()
+        return payload
 
     def restore(self, payload: Dict[str, Any]) -> None:
         model = self.model()
@@ -159,6 +169,9 @@ class MMEngineIO(GuardIO):
         for sched, state in zip(self._schedulers(), payload.get("param_schedulers", [])):
             if not getattr(sched, "by_epoch", False):
                 sched.load_state_dict(copy.deepcopy(state))
+        ema = self._ema_hook()
+        if ema is not None and "ema_state_dict" in payload:
+            ema.ema_model.load_state_dict(payload["ema_state_dict"], strict=False)
         hub = payload.get("message_hub", {})
         if "log_scalars" in hub:
             self.runner.message_hub._log_scalars = copy.deepcopy(hub["log_scalars"])
@@ -191,6 +204,10 @@ class MMEngineIO(GuardIO):
         if "param_schedulers" in checkpoint and isinstance(checkpoint["param_schedulers"], list):
             checkpoint["param_schedulers"] = [copy.deepcopy(s.state_dict()) for s in self._schedulers()]
         checkpoint["message_hub"] = copy.deepcopy(self.runner.message_hub.state_dict())
+        ema = self._ema_hook()
+        if ema is not None and "ema_state_dict" in checkpoint:  # EMAHook already swapped this dict: redo it
+            checkpoint["ema_state_dict"] = copy_to_host(ema.ema_model.state_dict())
+            ema._swap_ema_state_dict(checkpoint)
         checkpoint["meta"]["iter"] = self.runner.iter + 1
 
     def checkpoint_candidates(self) -> List[str]:
@@ -199,6 +216,11 @@ class MMEngineIO(GuardIO):
 
     def load_payload(self, path: str) -> Dict[str, Any]:
         ckpt = safe_load(path)
+        if "ema_state_dict" in ckpt and self._ema_hook() is not None:
+            # EMAHook saves the averaged weights as 'state_dict' (for deployment): swap them back, as it does.
+            self._ema_hook()._swap_ema_state_dict(ckpt)
+        if isinstance(ckpt.get("param_schedulers"), dict):
+            ckpt["param_schedulers"] = [s for group in ckpt["param_schedulers"].values() for s in group]
         meta = ckpt.get("meta", {})
         # A checkpoint's iter counts completed iterations; the guard restores at after_train_iter,
         # where the loop's own +1 follows.

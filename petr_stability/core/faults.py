@@ -73,16 +73,20 @@ def parse_faults(faults: Sequence[Any]) -> List[Fault]:
     return out
 
 
-def _param(model: nn.Module, name: Optional[str]) -> "tuple[str, nn.Parameter]":
+def _param(model: nn.Module, name: Optional[str], buffers: bool = False) -> "tuple[str, torch.Tensor]":
     for pname, p in model.named_parameters():
         if (name is None and p.requires_grad) or pname == name:
             return pname, p
-    raise ValueError(f"no parameter named {name!r} in the model")
+    if buffers and name is not None:
+        for bname, b in model.named_buffers():
+            if bname == name:
+                return bname, b
+    raise ValueError(f"no parameter{' or buffer' if buffers else ''} named {name!r} in the model")
 
 
 def poison_weights(model: nn.Module, value: float = math.nan, param: Optional[str] = None) -> str:
-    """Writes ``value`` into the first element of a parameter; returns its name."""
-    name, p = _param(model, param)
+    """Writes ``value`` into the first element of a parameter (or a named buffer); returns its name."""
+    name, p = _param(model, param, buffers=True)
     with torch.no_grad():
         p.view(-1)[0] = value
     return name

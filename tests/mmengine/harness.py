@@ -30,12 +30,16 @@ def build_runner(
     cfg: Optional[dict] = None,
     launcher: str = "none",
     seed: int = 0,
+    paramwise_cfg: Optional[dict] = None,
+    hooks_before_guard: Optional[List[dict]] = None,
 ) -> Runner:
     """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32."""
     if clip_grad == "default":
         clip_grad = dict(max_norm=35, norm_type=2)
     wrapper = dict(type="OptimWrapper") if amp is None else dict(type="CPUAmpOptimWrapper", loss_scale=amp)
     wrapper.update(optimizer=dict(type="AdamW", lr=lr, weight_decay=0.01), accumulative_counts=accumulative_counts)
+    if paramwise_cfg is not None:
+        wrapper["paramwise_cfg"] = paramwise_cfg
     if clip_grad is not None:
         wrapper["clip_grad"] = clip_grad
     by_epoch = max_epochs is not None
@@ -43,6 +47,7 @@ def build_runner(
     hooks: List[dict] = []
     if faults:
         hooks.append(dict(type="FaultInjectionHook", faults=faults))
+    hooks.extend(hooks_before_guard or [])
     if guard is not None:
         hooks.append(dict(type="NanGuardHook", **guard))
     hooks.extend(extra_hooks or [])
