@@ -32,6 +32,7 @@ def build_runner(
     seed: int = 0,
     paramwise_cfg: Optional[dict] = None,
     hooks_before_guard: Optional[List[dict]] = None,
+    default_scope: str = "mmengine",
 ) -> Runner:
     """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32."""
     if clip_grad == "default":
@@ -71,7 +72,7 @@ def build_runner(
         log_processor=dict(by_epoch=by_epoch),
         custom_hooks=hooks,
         resume=resume,
-        default_scope="mmengine",
+        default_scope=default_scope,
         randomness=dict(seed=seed),
         launcher=launcher,
         log_level="INFO",
