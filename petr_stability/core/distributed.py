@@ -166,15 +166,21 @@ def broadcast_payload(payload: Any, src: int = 0, group: Any = None, known_struc
         signature, skeleton = box[0], payload
     else:
         signature, skeleton = box[0]
+    mismatch = 0
     if me != src:
-        slots = _slots(skeleton)
-        mine = [(tuple(s.shape), str(s.dtype)) for s in sorted(slots, key=lambda s: s.index)]
-        if mine != signature:
+        slots = sorted(_slots(skeleton), key=lambda s: s.index)
+        mine = [(tuple(s.shape), str(s.dtype)) for s in slots]
+        mismatch = int(mine != signature)
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in slots] if not mismatch else []
+    if known_structure:
+        # Agreed, so that a mismatch anywhere stops every rank here instead of leaving the sender waiting.
+        flag = torch.tensor([mismatch], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag):
             raise RuntimeError(
-                f"rank {me}: the state to receive from rank {src} does not match this rank's structure "
-                f"({len(mine)} tensors here, {len(signature)} there); per-node snapshots need replicated state"
+                f"rank {me}: a rank's state structure differs from rank {src}'s; snapshot_copies='node' needs "
+                "replicated state (plain DDP), not sharded optimizers"
             )
-        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots, key=lambda s: s.index)]
     for i, t in enumerate(tensors):
         if me == src and not t.is_contiguous():
             t = tensors[i] = t.contiguous()
