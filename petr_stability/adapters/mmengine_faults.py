@@ -1,13 +1,13 @@
 """FaultInjectionHook for MMEngine runners: a fire drill that plants NaN/Inf on purpose, loudly."""
 import logging
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 
 from ..core.distributed import get_rank
-from ..core.faults import Fault, arm_grad_fault, parse_faults, poison_batch, poison_loss, poison_weights
+from ..core.faults import Fault, FaultPlan
 
 __all__ = ["FaultInjectionHook"]
 
@@ -27,8 +27,8 @@ class FaultInjectionHook(Hook):
     priority = "NORMAL"
 
     def __init__(self, faults: Sequence[Any]) -> None:
-        self.faults: List[Fault] = parse_faults(faults)
-        self._handle: Optional[Any] = None
+        self.plan = FaultPlan(faults)
+        self.faults: List[Fault] = self.plan.faults
 
     def _log(self, msg: str) -> None:
         print_log(f"FaultInjectionHook: {msg}", logger="current", level=logging.WARNING)
@@ -38,23 +38,8 @@ class FaultInjectionHook(Hook):
 
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
         model = runner.model.module if is_model_wrapper(runner.model) else runner.model
-        rank = get_rank()
-        for fault in self.faults:
-            if not fault.hits(runner.iter, rank):
-                continue
-            if fault.kind == "weights":
-                where = poison_weights(model, fault.value, fault.param)
-            elif fault.kind == "grads":
-                where = arm_grad_fault(model, fault.value, fault.param)
-            elif fault.kind == "batch":
-                where = f"{poison_batch(data_batch, fault.value)} batch tensor(s)"
-            else:
-                self._handle = model.register_forward_hook(
-                    lambda m, i, out, value=fault.value: poison_loss(out, value))
-                where = "the loss"
-            self._log(f"iter {runner.iter + 1}, rank {rank}: planted {fault.value} in {fault.kind} ({where})")
+        for line in self.plan.inject(runner.iter, get_rank(), model, data_batch):
+            self._log(line)
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.plan.disarm()

@@ -6,7 +6,16 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch import nn
 
-__all__ = ["FAULT_KINDS", "Fault", "parse_faults", "poison_weights", "arm_grad_fault", "poison_loss", "poison_batch"]
+__all__ = [
+    "FAULT_KINDS",
+    "Fault",
+    "FaultPlan",
+    "parse_faults",
+    "poison_weights",
+    "arm_grad_fault",
+    "poison_loss",
+    "poison_batch",
+]
 
 #: What a fault can hit.
 FAULT_KINDS = ("weights", "grads", "loss", "batch")
@@ -135,3 +144,40 @@ def poison_batch(batch: Any, value: float, apply: Optional[Callable[[torch.Tenso
     elif isinstance(batch, (list, tuple)):
         count = sum(poison_batch(v, value) for v in batch)
     return count
+
+
+class FaultPlan:
+    """The faults of a run and what planting them takes; the fire-drill hooks of both runner families wrap it.
+
+    Args:
+        faults: dicts (config form) or :class:`Fault` objects.
+    """
+
+    def __init__(self, faults: Sequence[Any]) -> None:
+        self.faults = parse_faults(faults)
+        self._handle: Optional[Any] = None
+
+    def inject(self, iteration: int, rank: int, model: nn.Module, batch: Any = None) -> List[str]:
+        """Plants every fault due at ``iteration`` (0-based) on ``rank``; returns one log line per fault."""
+        lines = []
+        for fault in self.faults:
+            if not fault.hits(iteration, rank):
+                continue
+            if fault.kind == "weights":
+                where = poison_weights(model, fault.value, fault.param)
+            elif fault.kind == "grads":
+                where = arm_grad_fault(model, fault.value, fault.param)
+            elif fault.kind == "batch":
+                where = f"{poison_batch(batch, fault.value)} batch tensor(s)"
+            else:
+                self._handle = model.register_forward_hook(
+                    lambda m, i, out, value=fault.value: poison_loss(out, value))
+                where = "the loss"
+            lines.append(f"iter {iteration + 1}, rank {rank}: planted {fault.value} in {fault.kind} ({where})")
+        return lines
+
+    def disarm(self) -> None:
+        """Removes a loss fault's forward hook after its iteration."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
