@@ -29,6 +29,9 @@ SCENARIOS = {
     # Every iteration from 12 on is poisoned on every rank: the budget runs out and all ranks stop together.
     "endless": dict(max_iters=30, guard=dict(GUARD, max_recoveries=1),
                     faults=[dict(kind="weights", iters=list(range(12, 31)))]),
+    # Epoch-based loop, a checkpoint at each epoch end (rank 0 only): NaN weights on rank 1 just before it.
+    "epoch_save_one_rank": dict(max_iters=None, max_epochs=2, n_samples=32, amp=dict(init_scale=512.0), guard=GUARD,
+                                checkpoint=dict(interval=1), faults=[dict(kind="weights", iters=[8], ranks=[1])]),
     # No confirmed snapshot yet and no shared filesystem: only rank 0 has the checkpoint of iteration 10.
     "disk_no_shared_fs": dict(max_iters=16, guard=dict(GUARD, confirm_steps=1000), checkpoint=dict(interval=10),
                               faults=[dict(kind="weights", iters=[13], ranks=[1])], separate_work_dirs=True),
