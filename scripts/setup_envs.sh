@@ -7,19 +7,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 which_envs=${1:-all}
-stamp_of() { cat "$0" setup.py 2>/dev/null | sha1sum | cut -c1-12; }
+# Bump ENV_VERSION when the pinned stacks below change: a finished env is rebuilt only then (or when setup.py does).
+ENV_VERSION=1
+stamp_of() { { echo "$ENV_VERSION"; cat setup.py; } | sha1sum | cut -c1-12; }
+# pip's config here lists local indexes that lack most projects; its "is ignored" notes are noise, not errors.
+pip_in() { local env=$1; shift; "$env/bin/pip" install -q "$@" 2> >(grep -v 'is ignored: it is neither' >&2); }
 
 build_mmengine() {
   local env=.venv
   if [ -f "$env/.stamp" ] && [ "$(cat "$env/.stamp")" = "$(stamp_of)" ]; then return 0; fi
   echo "[setup] building $env (MMEngine stack)"
   rm -rf "$env"; "$PY" -m venv "$env"
-  "$env/bin/pip" install -q 'torch==2.13.0'
-  "$env/bin/pip" install -q 'setuptools<81' wheel
-  "$env/bin/pip" install -q 'mmengine==0.10.7' pytest 'ruff==0.8.6' matplotlib 'numpy<2.3'
-  MMCV_WITH_OPS=0 "$env/bin/pip" install -q --no-build-isolation 'mmcv-lite==2.1.0'
-  "$env/bin/pip" install -q --no-deps 'mmdet==3.3.0' 'mmdet3d==1.4.0'
-  "$env/bin/pip" install -q --no-deps --no-build-isolation -e .
+  pip_in "$env" 'torch==2.13.0'
+  pip_in "$env" 'setuptools<81' wheel
+  pip_in "$env" 'mmengine==0.10.7' pytest 'ruff==0.8.6' matplotlib 'numpy<2.3'
+  MMCV_WITH_OPS=0 pip_in "$env" --no-build-isolation 'mmcv-lite==2.1.0'
+  pip_in "$env" --no-deps 'mmdet==3.3.0' 'mmdet3d==1.4.0'
+  pip_in "$env" --no-deps --no-build-isolation -e .
   stamp_of > "$env/.stamp"
 }
 
@@ -28,11 +32,11 @@ build_mmcv1() {
   if [ -f "$env/.stamp" ] && [ "$(cat "$env/.stamp")" = "$(stamp_of)" ]; then return 0; fi
   echo "[setup] building $env (MMCV 1.x stack)"
   rm -rf "$env"; "$PY" -m venv "$env"
-  "$env/bin/pip" install -q 'torch==2.14.1' 'torchvision==0.29.1'
-  "$env/bin/pip" install -q 'setuptools<81' wheel
-  "$env/bin/pip" install -q pytest matplotlib 'numpy<2.3'
-  MMCV_WITH_OPS=0 "$env/bin/pip" install -q --no-build-isolation 'mmcv==1.7.2'
-  "$env/bin/pip" install -q --no-deps --no-build-isolation -e .
+  pip_in "$env" 'torch==2.14.1' 'torchvision==0.29.1'
+  pip_in "$env" 'setuptools<81' wheel
+  pip_in "$env" pytest matplotlib 'numpy<2.3'
+  MMCV_WITH_OPS=0 pip_in "$env" --no-build-isolation 'mmcv==1.7.2'
+  pip_in "$env" --no-deps --no-build-isolation -e .
   stamp_of > "$env/.stamp"
 }
 
