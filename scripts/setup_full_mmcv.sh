@@ -11,7 +11,7 @@ rm -rf "$env"; "$PY" -m venv "$env"
 "$env/bin/pip" install -q 'torch==2.13.0'
 "$env/bin/pip" install -q 'setuptools<81' wheel ninja
 "$env/bin/pip" install -q 'mmengine==0.10.7' pytest 'numpy<2.3' numba terminaltables shapely trimesh plyfile scipy \
-  pyquaternion scikit-image matplotlib
+  pyquaternion scikit-image matplotlib pycocotools tqdm six
 MMCV_WITH_OPS=1 MAX_JOBS=2 "$env/bin/pip" install -q --no-build-isolation 'mmcv==2.1.0'
 "$env/bin/pip" install -q --no-deps 'mmdet==3.3.0' 'mmdet3d==1.4.0'
 "$env/bin/pip" install -q --no-deps --no-build-isolation -e .
