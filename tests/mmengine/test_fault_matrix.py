@@ -126,3 +126,48 @@ def test_paramwise_lr_groups_come_back_with_the_rollback(tmp_path):
     lrs = lambda r: sorted({round(g["lr"], 12) for g in r.optim_wrapper.optimizer.param_groups})  # noqa: E731
     assert len(lrs(bad)) == 2 and lrs(bad) == lrs(clean)
     assert read_incidents(str(tmp_path / "bad"))[0]["restored_from"]["iteration"] == 4
+
+
+def test_several_optimizers_optim_wrapper_dict(tmp_path):
+    import uuid
+
+    from mmengine.optim import OptimWrapper
+    from mmengine.runner import Runner
+
+    from petr_stability.testing.mmengine_cpu import ListDataset, PETRLikeModel
+    from petr_stability.testing.petr_like import make_batch
+
+    class TwoOptimizers(PETRLikeModel):
+        def train_step(self, data, optim_wrapper):
+            data = self.data_preprocessor(data, True)
+            parsed, log_vars = self.parse_losses(self._run_forward(data, mode="loss"))
+            parsed.backward()
+            for w in optim_wrapper.values():  # each wrapper clips (through the guard's probe) and steps
+                w.step()
+                w.zero_grad()
+            return log_vars
+
+    model = TwoOptimizers(**SMALL)
+    head = [p for n, p in model.named_parameters() if not n.startswith("net.img_backbone")]
+    wrappers = dict(
+        backbone=OptimWrapper(torch.optim.AdamW(model.net.img_backbone.parameters(), lr=2e-4),
+                              clip_grad=dict(max_norm=35, norm_type=2)),
+        head=OptimWrapper(torch.optim.AdamW(head, lr=2e-4)),  # no clip: the guard installs an observing one
+    )
+    runner = Runner(
+        model=model, work_dir=str(tmp_path), experiment_name=f"t{uuid.uuid4().hex[:10]}",
+        train_dataloader=dict(dataset=ListDataset(make_batch(64, num_query=16)),
+                              sampler=dict(type="DefaultSampler", shuffle=False), batch_size=2, num_workers=0,
+                              collate_fn=dict(type="default_collate")),
+        optim_wrapper=wrappers, train_cfg=dict(by_epoch=False, max_iters=20),
+        default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=10 ** 6, by_epoch=False)),
+        custom_hooks=[dict(type="FaultInjectionHook", faults=[dict(kind="weights", iters=[14], value="nan")]),
+                      dict(type="NanGuardHook", **GUARD)],
+        default_scope="mmengine", randomness=dict(seed=0))
+    runner.train()
+    assert params_finite(runner) and runner.iter == 20
+    (rec,) = read_incidents(str(tmp_path))
+    targets = {a["target"]: (a["old"], a["new"]) for a in rec["actions"]}
+    assert targets["optim_wrapper.backbone.clip_grad.max_norm"] == (35.0, 1.0)
+    assert targets["optim_wrapper.head.clip_grad.max_norm"] == ("inf", 1.0)
+    assert all(w.clip_grad_kwargs["max_norm"] == 1.0 for w in runner.optim_wrapper.values())
