@@ -1,0 +1,31 @@
+"""MMCV 1.x: trains until a planted fault is recovered and a checkpoint is written, then SIGKILLs itself.
+
+Usage: ``python kill_worker_mmcv1.py WORK_DIR``. The kill comes after ``CheckpointHook`` wrote ``iter_8.pth``
+(priority LOWEST runs last), so no hook gets to clean up or flush anything: what survives is what is on disk.
+"""
+import os
+import signal
+import sys
+import types
+
+from harness import build_runner, run
+from mmcv.runner import Hook, iter_based_runner
+
+#: Shared with the test that resumes the run, so both sides build the same runner.
+GUARD = dict(snapshot_interval=2, confirm_steps=2, check_interval=2, patience=2, static_patience=3)
+FAULT_ITER, KILL_ITER = 6, 8
+
+
+class SigkillHook(Hook):
+    def after_train_iter(self, runner):
+        if runner.iter + 1 == KILL_ITER:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    iter_based_runner.time = types.SimpleNamespace(sleep=lambda s: None)  # the runner's 1-2 s sleeps
+    r = build_runner(sys.argv[1], runner="iter", amp=dict(init_scale=512.0), max_iters=12, guard=GUARD,
+                     faults=[dict(kind="weights", iters=[FAULT_ITER])], checkpoint=dict(interval=KILL_ITER))
+    r.register_hook(SigkillHook(), priority="LOWEST")
+    run(r)
+    sys.exit(3)  # never reached: the kill comes first
