@@ -23,13 +23,14 @@ MMCV 1.x facts this adapter handles (``docs``: RUNNER-INTERNALS, "MMCV 1.x"):
 import glob
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from mmcv.parallel import is_module_wrapper
 from mmcv.runner import CheckpointHook, Hook, IterBasedRunner, OptimizerHook
 from mmcv.runner import save_checkpoint as mmcv_save_checkpoint
 
+from ..core.diagnose import capture_rng
 from ..core.distributed import get_rank
 from ..core.errors import NanGuardError
 from ..core.guard import GuardConfig, GuardIO, NanGuard
@@ -60,6 +61,7 @@ class MMCV1IO(GuardIO):
         self.probe: Optional[ClipProbe] = None
         #: Added to a restored counter: 1 when restoring after the loop's own ``_iter += 1`` (epoch end).
         self.restore_offset = 0
+        self.rng: Optional[Dict[str, Any]] = None
         #: Checkpoint files written (rank 0) from a non-finite state and not yet repaired.
         self.poisoned_saves: List[str] = []
         self._suspended_keep: List[Tuple[Any, int]] = []
@@ -156,6 +158,27 @@ class MMCV1IO(GuardIO):
             self.opt_hook.loss_scaler.load_state_dict(dict(scaler_state))
             self.runner.meta.setdefault("fp16", {})["loss_scaler"] = self.opt_hook.loss_scaler.state_dict()
         self.runner._iter = int(payload["meta"]["iter"]) + self.restore_offset
+
+    # -- diagnosis
+    def rerun_forward(self) -> Optional[Callable[[], Any]]:
+        data = getattr(self.runner, "data_batch", None)  # MMCV keeps it until after after_train_iter
+        if data is None:
+            return None
+        wrapper, model = self.runner.model, self.model()
+
+        def forward() -> Any:
+            batch = data
+            if is_module_wrapper(wrapper) and hasattr(wrapper, "scatter"):
+                # As MMDataParallel.train_step does, then the unwrapped module: a DDP forward on one rank hangs.
+                inputs, _ = wrapper.scatter((data,), {}, getattr(wrapper, "device_ids", None) or [-1])
+                batch = inputs[0][0]
+            # Not train_step: mmdet's _parse_losses all-reduces its log values. auto_fp16 sits in the model.
+            return model(**batch)
+
+        return forward
+
+    def rerun_rng_state(self) -> Optional[Dict[str, Any]]:
+        return self.rng
 
     def checkpoint_candidates(self) -> List[str]:
         dirs = {self.work_dir} | {h.out_dir for h in self.ckpt_hooks if getattr(h, "out_dir", None)}
@@ -348,6 +371,8 @@ class NanGuardHook(Hook):
 
     def before_train_iter(self, runner: Any) -> None:
         runner.meta[STATE_KEY][_ITER_MARK] = runner.iter
+        if self.config.diagnose:
+            self.io.rng = capture_rng()  # host copies: the dropout masks of a re-run match the failing step
 
     def after_train_iter(self, runner: Any) -> None:
         recoveries = self.guard.recoveries
@@ -356,6 +381,8 @@ class NanGuardHook(Hook):
         except NanGuardError:
             self.io.quarantine_saves()
             raise
+        finally:
+            self.io.rng = None
         state = self._store(runner)
         if self.guard.recoveries > recoveries and self.io.poisoned_saves:
             self.io.repair_saves(state, at_epoch_end=False)
