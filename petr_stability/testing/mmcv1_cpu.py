@@ -1,12 +1,12 @@
 """CPU stand-ins for MMCV 1.x's CUDA-only fp16 pieces, plus the PETR-shaped model with an MMCV-1 ``train_step``."""
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from mmcv.runner import HOOKS, Fp16OptimizerHook
 from torch import nn
-from torch.utils.data import Dataset
 
 from ..core.flags import make_grad_scaler
+from .data import ListDataset
 from .petr_like import build_petr_like
 
 __all__ = ["CPUFp16OptimizerHook", "PETRLikeMMCV1", "ListDataset"]
@@ -56,16 +56,3 @@ class PETRLikeMMCV1(nn.Module):
     def val_step(self, data: Dict[str, torch.Tensor], optimizer: Optional[Any] = None, **kwargs: Any) -> Dict:
         with torch.no_grad():
             return self.train_step(data, optimizer)
-
-
-class ListDataset(Dataset):
-    """A dataset over a list of samples."""
-
-    def __init__(self, samples: List[dict]) -> None:
-        self.samples = samples
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.samples[i]

@@ -1,14 +1,14 @@
 """CPU stand-ins for MMEngine's CUDA-only AMP wrapper, plus the PETR-shaped model as an MMEngine BaseModel."""
 import contextlib
-from typing import Any, Iterator, List
+from typing import Any, Iterator
 
 import torch
 from mmengine.model import BaseModel
 from mmengine.optim import AmpOptimWrapper, OptimWrapper
 from mmengine.registry import MODELS, OPTIM_WRAPPERS
-from torch.utils.data import Dataset
 
 from ..core.flags import make_grad_scaler
+from .data import ListDataset
 from .petr_like import build_petr_like
 
 __all__ = ["CPUAmpOptimWrapper", "PETRLikeModel", "ListDataset"]
@@ -52,16 +52,3 @@ class PETRLikeModel(BaseModel):
 
     def forward(self, inputs: torch.Tensor, cls_t: Any = None, reg_t: Any = None, mode: str = "loss") -> Any:
         return self.net.losses(inputs, cls_t, reg_t)
-
-
-class ListDataset(Dataset):
-    """A dataset over a list of samples."""
-
-    def __init__(self, samples: List[dict]) -> None:
-        self.samples = samples
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.samples[i]
