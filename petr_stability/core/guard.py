@@ -309,6 +309,9 @@ class NanGuard:
             signals.weights_finite = self._healthy(optimizer=True)
         elif (iteration + 1) % self.config.check_interval == 0:
             signals.weights_finite = self._healthy(optimizer=False)
+        if signals.loss_scale is None and signals.weights_finite is not None:
+            # A check already waited for the device here: publish the scale too, for the logs and the report.
+            signals.loss_scale = _scale_of(scaler)
 
         decision = self.detector.observe(signals)
         agreed = Verdict(distributed.reduce_max([int(decision.verdict)])[0])

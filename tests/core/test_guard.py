@@ -191,3 +191,14 @@ def test_check_checkpoint_refuses_nonfinite(tmp_path):
 def test_bad_config_names_argument_and_value(kwargs, err, needle):
     with pytest.raises(err, match=needle.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         GuardConfig(**kwargs)
+
+
+def test_loss_scale_is_published_on_check_iterations_only(tmp_path):
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io, check_interval=4, snapshot_interval=1000)
+    run(io, guard, 2)  # iteration 0: first snapshot (a check); iteration 1: no check
+    io.scalars.clear()
+    run(io, guard, 3)  # iteration 2: no check, no device read of the scale
+    assert "nan_guard/loss_scale" not in io.scalars
+    run(io, guard, 4)  # iteration 3: a periodic check, the scale comes with it
+    assert io.scalars["nan_guard/loss_scale"] == 65536.0
