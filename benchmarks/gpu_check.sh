@@ -3,6 +3,8 @@
 # On the GPU machine (its own Python/torch, no mmengine/mmcv, no network), install the wheels built beforehand
 # by `bash benchmarks/build_gpu_wheels.sh` (carried as wheelhouse/), then run this from the repository root:
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
+# With the device tool: build the wheelhouse here (59 MB, measured), then
+#   run(command='bash benchmarks/gpu_check.sh "$OUT"', carry=['wheelhouse'], timeout_s=420)
 set -uo pipefail
 out=${1:-${OUT:-gpu_results}}
 mkdir -p "$out"
