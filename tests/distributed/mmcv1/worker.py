@@ -1,6 +1,5 @@
 """One rank of a 2-process CPU (gloo) MMCV 1.x run (MMDistributedDataParallel, IterBasedRunner) with NanGuardHook."""
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -13,6 +12,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "mmcv1"))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
 
@@ -36,16 +36,6 @@ SCENARIOS = {
 }
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    # Parameters only: DDP broadcasts buffers from rank 0 at the start of each forward, so BatchNorm
-    # statistics differ between ranks by the last batch after any forward; that is DDP, not the guard.
-    h = hashlib.sha256()
-    for name, t in sorted(model.named_parameters()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
@@ -56,6 +46,7 @@ def main() -> None:
     from harness import build_runner, guard_hook
     from mmcv.parallel import MMDistributedDataParallel
     from mmcv.runner import iter_based_runner
+    from scenarios import weights_digest
     from torch.utils.data import DataLoader, DistributedSampler
 
     iter_based_runner.time = types.SimpleNamespace(sleep=lambda s: None)  # the runner's 2 s start-up nap

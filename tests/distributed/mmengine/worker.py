@@ -1,6 +1,5 @@
 """One rank of a 2-process CPU (gloo) MMEngine run with NanGuardHook; writes its result as JSON for the test."""
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -12,6 +11,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "mmengine"))
+sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
 SMALL = dict(num_layers=1, num_query=16)
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
@@ -38,16 +38,6 @@ SCENARIOS = {
 }
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    # Parameters only: DDP broadcasts buffers from rank 0 at the *start* of each forward, so BatchNorm
-    # statistics differ between ranks by the last batch after any forward; that is DDP, not the guard.
-    h = hashlib.sha256()
-    for name, t in sorted(model.named_parameters()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
@@ -57,6 +47,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     from harness import build_runner, guard_hook
+    from scenarios import weights_digest
 
     kwargs = dict(SCENARIOS[args.scenario])
     separate = kwargs.pop("separate_work_dirs", False)
