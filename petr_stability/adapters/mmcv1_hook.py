@@ -34,7 +34,7 @@ from ..core.diagnose import capture_rng
 from ..core.distributed import get_rank
 from ..core.errors import NanGuardError
 from ..core.guard import GuardConfig, GuardIO, NanGuard
-from ..core.health import all_finite, iter_tensors, model_tensors, optimizer_tensors
+from ..core.health import all_finite, iter_tensors, state_finite
 from ..core.remedies import Change, ClipProbe, observing_clip
 from ..core.safe_load import safe_load
 from ..core.snapshot import copy_to_host
@@ -218,10 +218,7 @@ class MMCV1IO(GuardIO):
             return
 
         def checked_save(out_dir: str, *args: Any, **kwargs: Any) -> Any:
-            tensors = model_tensors(self.model())
-            for opt in self.optimizers():
-                tensors.extend(optimizer_tensors(opt))
-            finite = all_finite(tensors)
+            finite = state_finite(self.model(), self.optimizers())
             before = set(glob.glob(os.path.join(out_dir, "*.pth")))
             result = save(out_dir, *args, **kwargs)
             if not finite:
@@ -390,8 +387,7 @@ class NanGuardHook(Hook):
 
     def after_train_epoch(self, runner: Any) -> None:
         # The epoch's checkpoint was written before this hook ran: one agreed health check per epoch.
-        healthy = not self.io.poisoned_saves and all_finite(
-            model_tensors(self.io.model()) + [t for o in self.io.optimizers() for t in optimizer_tensors(o)])
+        healthy = not self.io.poisoned_saves and state_finite(self.io.model(), self.io.optimizers())
         if not self.guard.all_ranks_healthy(healthy):
             self.io.restore_offset = 1  # the loop has already counted the epoch's last iteration
             try:

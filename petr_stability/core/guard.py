@@ -8,7 +8,6 @@ schedulers stay consistent without special cases.
 """
 import abc
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -19,7 +18,7 @@ from . import distributed
 from .detector import Decision, DetectorConfig, DivergenceDetector, StepSignals, Verdict
 from .diagnose import diagnose_step, summarize
 from .errors import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError
-from .health import all_finite, first_nonfinite, iter_tensors, model_tensors, optimizer_tensors
+from .health import all_finite, first_nonfinite, iter_tensors, state_finite
 from .incidents import IncidentLog
 from .remedies import Change, tighten_clip, zero_transformer_dropout
 from .snapshot import Snapshot, SnapshotRing, copy_to_host, payload_nbytes
@@ -246,7 +245,6 @@ class NanGuard:
         self._last_restored: Optional[Snapshot] = None
         self._failed_paths: set = set()
         self._last_restored_path: Optional[str] = None
-        self.last_snapshot_seconds = 0.0
         self.last_diagnosis: Optional[Dict[str, Any]] = None
 
     # ------------------------------------------------------------------ setup and persistence
@@ -336,15 +334,9 @@ class NanGuard:
         return decision
 
     def _healthy(self, optimizer: bool) -> bool:
-        model = self.io.model()
-        tensors = model_tensors(model)
-        if optimizer:
-            for opt in self.io.optimizers():
-                tensors.extend(optimizer_tensors(opt))
-        return all_finite(tensors)
+        return state_finite(self.io.model(), self.io.optimizers() if optimizer else ())
 
     def _snapshot(self, iteration: int) -> None:
-        t0 = time.perf_counter()
         pin = torch.cuda.is_available()
         if self._holds_no_tensors():
             # The node's leader keeps the tensors; this rank keeps the structure and its own small state.
@@ -356,7 +348,6 @@ class NanGuard:
         _, epoch = self.io.counters()
         snap = Snapshot(iteration, epoch, payload, nbytes=payload_nbytes(payload))
         self.ring.add(snap)
-        self.last_snapshot_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ remedies and rollback
     def _zero_dropout(self) -> List[Change]:

@@ -15,6 +15,7 @@ __all__ = [
     "is_finite_number",
     "model_tensors",
     "optimizer_tensors",
+    "state_finite",
 ]
 
 
@@ -50,6 +51,14 @@ def optimizer_tensors(optimizer: Any) -> List[torch.Tensor]:
     if state is None:
         return []
     return list(iter_tensors(list(state.values())))
+
+
+def state_finite(model: nn.Module, optimizers: Iterable[Any] = ()) -> bool:
+    """True when the model's parameters and floating buffers, and the optimizers' state, are all finite."""
+    tensors = model_tensors(model)
+    for opt in optimizers:
+        tensors.extend(optimizer_tensors(opt))
+    return all_finite(tensors)
 
 
 def _group_norm(tensors: List[torch.Tensor]) -> torch.Tensor:
