@@ -2,9 +2,9 @@
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
-__all__ = ["INCIDENT_FILE", "IncidentLog", "read_incidents"]
+__all__ = ["INCIDENT_FILE", "IncidentLog", "read_incidents", "iter_json_lines"]
 
 #: File name of the incident log inside the work dir.
 INCIDENT_FILE = "nan_guard_incidents.jsonl"
@@ -48,14 +48,17 @@ def read_incidents(path: str) -> List[Dict[str, Any]]:
         path = os.path.join(path, INCIDENT_FILE)
     if not os.path.exists(path):
         return []
-    records = []
+    return list(iter_json_lines(path))
+
+
+def iter_json_lines(path: str) -> Iterator[Dict[str, Any]]:
+    """Yields the JSON object of each line of ``path``; blank and torn lines (a killed writer) are skipped."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                records.append(json.loads(line))
+                yield json.loads(line)
             except json.JSONDecodeError:
                 continue
-    return records

@@ -1,9 +1,10 @@
 """``petr-stability report WORK_DIR``: summarizes a run's incidents and plots loss, grad_norm, scale and max_norm."""
 import glob
-import json
 import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
+
+from ..core.incidents import iter_json_lines, read_incidents
 
 __all__ = ["find_logs", "read_scalars", "summarize", "plot_timeline", "main"]
 
@@ -44,32 +45,22 @@ def read_scalars(paths: Dict[str, List[str]]) -> List[Dict[str, float]]:
     """
     rows: List[Dict[str, float]] = []
     for path in paths.get("mmengine", []):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if "iter" not in rec or "step" not in rec and "loss" not in rec:
-                    continue
-                rows.append({k: v for k, v in ((k, _num(v)) for k, v in rec.items()) if v is not None})
+        for rec in iter_json_lines(path):
+            if "iter" not in rec or "step" not in rec and "loss" not in rec:
+                continue
+            rows.append({k: v for k, v in ((k, _num(v)) for k, v in rec.items()) if v is not None})
     offset, last_epoch, last_iter = 0, None, 0
     for path in paths.get("mmcv1", []):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("mode") != "train" or "iter" not in rec:
-                    continue
-                epoch = rec.get("epoch")
-                if last_epoch is not None and epoch != last_epoch:
-                    offset += last_iter
-                last_epoch, last_iter = epoch, int(rec["iter"])
-                row = {k: v for k, v in ((k, _num(v)) for k, v in rec.items()) if v is not None}
-                row["iter"] = float(offset + int(rec["iter"]))
-                rows.append(row)
+        for rec in iter_json_lines(path):
+            if rec.get("mode") != "train" or "iter" not in rec:
+                continue
+            epoch = rec.get("epoch")
+            if last_epoch is not None and epoch != last_epoch:
+                offset += last_iter
+            last_epoch, last_iter = epoch, int(rec["iter"])
+            row = {k: v for k, v in ((k, _num(v)) for k, v in rec.items()) if v is not None}
+            row["iter"] = float(offset + int(rec["iter"]))
+            rows.append(row)
     rows.sort(key=lambda r: r["iter"])
     return rows
 
@@ -158,7 +149,6 @@ def plot_timeline(rows: List[Dict[str, float]], records: List[Dict[str, Any]], p
 
 def main(args: Any) -> int:
     """Entry point of ``petr-stability report`` (``args`` from :mod:`petr_stability.cli`)."""
-    from petr_stability.core.incidents import read_incidents
 
     paths = find_logs(args.work_dir)
     records = [r for p in paths["incidents"] for r in read_incidents(p)]
