@@ -7,6 +7,7 @@ checkpoint saves) then runs the same way after a restore as it did after the cap
 schedulers stay consistent without special cases.
 """
 import abc
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -21,7 +22,7 @@ from .errors import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError
 from .health import all_finite, first_nonfinite, iter_tensors, state_finite
 from .incidents import IncidentLog
 from .remedies import Change, tighten_clip, zero_transformer_dropout
-from .snapshot import Snapshot, SnapshotRing, copy_to_host, payload_nbytes
+from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host, payload_nbytes
 
 __all__ = ["GuardConfig", "GuardIO", "NanGuard", "REMEDIES"]
 
@@ -337,16 +338,17 @@ class NanGuard:
         return state_finite(self.io.model(), self.io.optimizers() if optimizer else ())
 
     def _snapshot(self, iteration: int) -> None:
-        pin = torch.cuda.is_available()
+        # Pinned host memory and asynchronous copies where the model lives on a GPU.
+        pin = any(p.is_cuda for p in itertools.islice(self.io.model().parameters(), 1))
         if self._holds_no_tensors():
             # The node's leader keeps the tensors; this rank keeps the structure and its own small state.
             payload = distributed.strip_tensors(self.io.capture())[0]
         else:
             payload = copy_to_host(self.io.capture(), reuse=self.ring.recyclable(), pin=pin)
-        if pin:
-            torch.cuda.synchronize()
+        # No host wait: the copies are queued on the current stream ahead of anything that writes the state
+        # again (docs/benchmarks.md: why not a side stream); the host waits only when it reads the snapshot.
         _, epoch = self.io.counters()
-        snap = Snapshot(iteration, epoch, payload, nbytes=payload_nbytes(payload))
+        snap = Snapshot(iteration, epoch, payload, nbytes=payload_nbytes(payload), copied=copies_done(pin))
         self.ring.add(snap)
 
     # ------------------------------------------------------------------ remedies and rollback
@@ -398,7 +400,7 @@ class NanGuard:
             return None
         try:
             snap = self.ring.newest_confirmed()
-            weights = snap.payload.get("state_dict") if snap is not None else None
+            weights = snap.ready_payload().get("state_dict") if snap is not None else None
             if not weights or not all(isinstance(v, torch.Tensor) for v in weights.values()):
                 weights = None  # e.g. snapshot_copies='node' away from the node's leader: no tensors here
             scale = signals.loss_scale if signals.loss_scale is not None else _scale_of(self.io.scaler()[0])
@@ -469,7 +471,7 @@ class NanGuard:
         snap = self.ring.newest_confirmed()
         if snap is not None:
             self._last_restored_path = None
-            payload = snap.payload
+            payload = snap.ready_payload()
             if self.config.snapshot_copies == "node" and distributed.is_distributed():
                 group, leader, _ = distributed.node_group()
                 payload = distributed.broadcast_payload(payload, src=leader, group=group, known_structure=True)

@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "payload_nbytes", "load_optimizer_state"]
+__all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "copies_done", "payload_nbytes", "load_optimizer_state"]
 
 
 def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
@@ -13,8 +13,10 @@ def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
 
     Tensors are copied into ``reuse``'s tensors where the structure, shape and dtype match, so a ring that
     recycles its oldest snapshot allocates nothing in steady state. Device tensors go through pinned
-    memory with ``non_blocking`` copies when ``pin`` is set; the caller synchronizes once at the end.
-    Non-tensor leaves (scheduler fields, history buffers) are deep-copied.
+    memory with ``non_blocking`` copies when ``pin`` is set: the copies are queued on the current stream and
+    the host does not wait for them; :func:`copies_done` marks their end, and :meth:`Snapshot.ready_payload`
+    waits for that mark before the host reads the copy. Non-tensor leaves (scheduler fields, history buffers)
+    are deep-copied.
     """
     if isinstance(obj, torch.Tensor):
         src = obj.detach()
@@ -43,6 +45,20 @@ def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
         items = [copy_to_host(v, rv, pin) for v, rv in zip(obj, r)]
         return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
     return copy.deepcopy(obj)
+
+
+def copies_done(pin: bool) -> Any:
+    """An event recorded on the current CUDA stream after the copies queued so far, or None without ``pin``.
+
+    The host does not wait: the copies run on the stream in order with the step that follows, and whatever
+    writes the copied tensors next (the next forward's BatchNorm buffers, the next optimizer step) is queued
+    behind them on the same stream. Only a host read of the copy has to wait (:meth:`Snapshot.ready_payload`).
+    """
+    if not pin:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _copy_state_inplace(optimizer: Any, saved: Dict[str, Any]) -> bool:
@@ -111,6 +127,7 @@ class Snapshot:
         clean_steps: healthy optimizer steps seen since; it is *confirmed* once this reaches the ring's
             ``confirm_steps`` (a state on a path that is already diverging is not a state to return to).
         failed: a divergence recurred after restoring it and before any newer snapshot was confirmed.
+        copied: the event that marks the end of its device-to-host copies (None when they were synchronous).
     """
 
     iteration: int
@@ -119,6 +136,18 @@ class Snapshot:
     clean_steps: int = 0
     failed: bool = False
     nbytes: int = field(default=0)
+    copied: Any = field(default=None, repr=False)
+
+    def ready_payload(self) -> Dict[str, Any]:
+        """The payload, after its asynchronous copies (if any) have landed; the only way the host should read it.
+
+        Waiting here costs nothing in practice: a snapshot is read on a rollback, hundreds of steps after it
+        was taken.
+        """
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        return self.payload
 
 
 class SnapshotRing:

@@ -202,3 +202,30 @@ def test_loss_scale_is_published_on_check_iterations_only(tmp_path):
     assert "nan_guard/loss_scale" not in io.scalars
     run(io, guard, 4)  # iteration 3: a periodic check, the scale comes with it
     assert io.scalars["nan_guard/loss_scale"] == 65536.0
+
+
+def test_snapshot_copies_are_waited_for_only_when_a_rollback_reads_them(tmp_path, monkeypatch):
+    # On CUDA a snapshot's device-to-host copies are asynchronous: the host must not wait for them on healthy
+    # steps, and must wait before it reads one back. A stand-in event records when it is waited for.
+    import petr_stability.core.guard as guard_module
+
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    events = []
+
+    class Event:
+        def __init__(self):
+            self.waited_before_restores = None
+            events.append(self)
+
+        def synchronize(self):
+            assert self.waited_before_restores is None, "waited twice"
+            self.waited_before_restores = len(io.restores)
+
+    monkeypatch.setattr(guard_module, "copies_done", lambda pin: Event())
+    guard = make_guard(io)
+    run(io, guard, 16)
+    assert len(events) >= 3 and all(e.waited_before_restores is None for e in events)  # healthy: no waits
+    run(io, guard, 26, faults={17: "weights"})
+    assert io.restores == [9]
+    waited = [e for e in events if e.waited_before_restores is not None]
+    assert len(waited) == 1 and waited[0].waited_before_restores == 0  # the restored one, before the restore
