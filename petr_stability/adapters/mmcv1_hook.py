@@ -65,6 +65,7 @@ class MMCV1IO(GuardIO):
         #: Checkpoint files written (rank 0) from a non-finite state and not yet repaired.
         self.poisoned_saves: List[str] = []
         self._suspended_keep: List[Tuple[Any, int]] = []
+        self._logged_norms = 0
 
     # -- objects
     def model(self) -> torch.nn.Module:
@@ -97,8 +98,21 @@ class MMCV1IO(GuardIO):
         self.probe = hook.clip_grads
 
     # -- signals
+    def _norm_history(self) -> List[float]:
+        return self.runner.log_buffer.val_history.get("grad_norm") or []
+
+    def mark_iter_start(self) -> None:
+        """Called as each iteration starts, to know whether the OptimizerHook logs a grad_norm during it."""
+        self._logged_norms = len(self._norm_history())
+
     def read_step(self) -> Tuple[bool, Optional[float], bool]:
-        return self.probe.read() if self.probe is not None else (False, None, False)
+        if self.probe is None:
+            return False, None, False
+        # The OptimizerHook logs float(grad_norm) right after the clip: when exactly one norm was logged during
+        # this iteration, it is this step's, and reusing it saves a second device read on CUDA.
+        history = self._norm_history()
+        logged = history[-1] if len(history) == self._logged_norms + 1 else None
+        return self.probe.read(logged if self.probe.stepped else None)
 
     def loss(self) -> Optional[float]:
         outputs = getattr(self.runner, "outputs", None) or {}
@@ -368,6 +382,7 @@ class NanGuardHook(Hook):
 
     def before_train_iter(self, runner: Any) -> None:
         runner.meta[STATE_KEY][_ITER_MARK] = runner.iter
+        self.io.mark_iter_start()
         if self.config.diagnose:
             self.io.rng = capture_rng()  # host copies: the dropout masks of a re-run match the failing step
 
