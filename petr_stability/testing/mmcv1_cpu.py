@@ -2,7 +2,7 @@
 from typing import Any, Dict, Optional
 
 import torch
-from mmcv.runner import HOOKS, Fp16OptimizerHook
+from mmcv.runner import HOOKS, Fp16OptimizerHook, auto_fp16
 from torch import nn
 
 from ..core.flags import make_grad_scaler
@@ -34,7 +34,9 @@ class PETRLikeMMCV1(nn.Module):
     """The PETR-shaped model behind MMCV 1.x's ``train_step(data, optimizer)`` interface.
 
     ``fp16_enabled`` is flipped to True by MMCV's ``wrap_fp16_model`` (``Fp16OptimizerHook.before_run``), as
-    mmdet's ``auto_fp16`` detectors are; the forward then runs under CPU fp16 autocast.
+    mmdet's ``auto_fp16`` detectors are. On a GPU the forward is MMCV's own ``@auto_fp16`` (CUDA autocast, inputs
+    cast to half), as mmdet3d's PETR ``extract_feat`` is; on the CPU, where that decorator's CUDA autocast does
+    nothing, it runs under CPU fp16 autocast instead.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -43,8 +45,14 @@ class PETRLikeMMCV1(nn.Module):
         self.fp16_enabled = False
 
     def forward(self, inputs: torch.Tensor, cls_t: torch.Tensor, reg_t: torch.Tensor) -> Dict[str, torch.Tensor]:
+        if inputs.is_cuda:
+            return self._forward_auto_fp16(inputs, cls_t, reg_t)
         with torch.autocast("cpu", dtype=torch.float16, enabled=self.fp16_enabled):
             return self.net.losses(inputs, cls_t, reg_t)
+
+    @auto_fp16(apply_to=("inputs",))
+    def _forward_auto_fp16(self, inputs: torch.Tensor, cls_t: torch.Tensor, reg_t: torch.Tensor) -> Dict[str, Any]:
+        return self.net.losses(inputs, cls_t, reg_t)
 
     def train_step(self, data: Dict[str, torch.Tensor], optimizer: Any = None, **kwargs: Any) -> Dict[str, Any]:
         losses = self(**data)

@@ -41,10 +41,20 @@ def build_runner(
     lr: float = 2e-4,
     meta: Optional[dict] = None,
     seed: int = 0,
+    fp16_type: str = "CPUFp16OptimizerHook",
+    device: str = "cpu",
 ) -> Any:
-    """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32 (OptimizerHook)."""
+    """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32 (OptimizerHook).
+
+    ``device='cuda'`` trains as mmdet's ``train_detector`` does on one GPU (the model in ``MMDataParallel``);
+    with ``fp16_type='Fp16OptimizerHook'`` (MMCV's own: CUDA GradScaler) it is the setting users run.
+    """
     torch.manual_seed(seed)
     model = PETRLikeMMCV1(**MODEL)
+    if device == "cuda":
+        from mmcv.parallel import MMDataParallel
+
+        model = MMDataParallel(model.cuda(), device_ids=[torch.cuda.current_device()])
     optimizer = build_optimizer(model, dict(type="AdamW", lr=lr, weight_decay=0.01))
     logger = logging.getLogger(f"mmcv1-test-{uuid.uuid4().hex[:8]}")
     logger.setLevel(logging.INFO)
@@ -56,7 +66,7 @@ def build_runner(
     if amp is None:
         optimizer_config = dict(type="OptimizerHook", grad_clip=grad_clip)
     else:
-        optimizer_config = dict(type="CPUFp16OptimizerHook", loss_scale=amp, grad_clip=grad_clip)
+        optimizer_config = dict(type=fp16_type, loss_scale=amp, grad_clip=grad_clip)
     ckpt = dict(interval=10 ** 6, by_epoch=runner == "epoch")
     ckpt.update(checkpoint or {})
     custom: List[dict] = []
@@ -95,7 +105,7 @@ def opt_hook(r: Any) -> Any:
 
 
 def params_finite(r: Any) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in r.model.parameters())
+    return all(bool(torch.isfinite(p).all()) for p in r.model.parameters())  # a wrapper's too (the module's)
 
 
 def mean_loss(r: Any, n: int = 16) -> float:

@@ -33,11 +33,15 @@ def build_runner(
     paramwise_cfg: Optional[dict] = None,
     hooks_before_guard: Optional[List[dict]] = None,
     default_scope: str = "mmengine",
+    amp_type: str = "CPUAmpOptimWrapper",
 ) -> Runner:
-    """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32."""
+    """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32.
+
+    ``amp_type='AmpOptimWrapper'`` is MMEngine's own (CUDA GradScaler and autocast; needs a GPU).
+    """
     if clip_grad == "default":
         clip_grad = dict(max_norm=35, norm_type=2)
-    wrapper = dict(type="OptimWrapper") if amp is None else dict(type="CPUAmpOptimWrapper", loss_scale=amp)
+    wrapper = dict(type="OptimWrapper") if amp is None else dict(type=amp_type, loss_scale=amp)
     wrapper.update(optimizer=dict(type="AdamW", lr=lr, weight_decay=0.01), accumulative_counts=accumulative_counts)
     if paramwise_cfg is not None:
         wrapper["paramwise_cfg"] = paramwise_cfg

@@ -1,4 +1,5 @@
-"""Launches a 2-process CPU (gloo) torchrun job for a test, with a hard timeout, and reads the ranks' results."""
+"""Launches a torchrun job for a test (2 CPU processes over gloo, or one process per GPU over NCCL) with a hard
+timeout, and reads the ranks' results."""
 import glob
 import json
 import os
@@ -6,7 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 __all__ = ["NPROC", "TIMEOUT_S", "SHARED", "free_port", "run_workers", "incident_logs", "run_agreeing"]
 
@@ -25,9 +26,10 @@ def free_port() -> int:
 
 
 def run_workers(
-    worker: str, scenario: str, out_dir: str, timeout: float = TIMEOUT_S
+    worker: str, scenario: str, out_dir: str, timeout: float = TIMEOUT_S, nproc: int = NPROC,
+    extra_args: Sequence[str] = (),
 ) -> Tuple[List[Dict[str, Any]], str]:
-    """Runs ``worker scenario out_dir`` under ``torch.distributed.run`` on 2 local processes.
+    """Runs ``worker scenario out_dir [extra_args]`` under ``torch.distributed.run`` on ``nproc`` local processes.
 
     Returns:
         (one result dict per rank, ordered by rank; the job's combined output). Fails the calling test if the
@@ -36,8 +38,9 @@ def run_workers(
     import pytest
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(NPROC),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), worker, scenario, out_dir]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), worker, scenario, out_dir,
+           *extra_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -47,7 +50,7 @@ def run_workers(
         pytest.fail(f"{scenario}: no result within {timeout}s (a hang?)\n{out.decode(errors='replace')[-4000:]}")
     log = out.decode(errors="replace")
     results = []
-    for rank in range(NPROC):
+    for rank in range(nproc):
         path = os.path.join(out_dir, f"result_rank{rank}.json")
         if not os.path.exists(path):
             pytest.fail(f"{scenario}: rank {rank} wrote no result (exit code {proc.returncode})\n{log[-4000:]}")

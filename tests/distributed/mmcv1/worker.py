@@ -40,8 +40,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("out")
+    parser.add_argument("--cuda", action="store_true", help="NCCL, one GPU per rank, MMCV's Fp16OptimizerHook")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    from rank_setup import init_process_group, side_group_report
+
+    init_process_group(args.cuda)
     rank = dist.get_rank()
     from harness import build_runner, guard_hook
     from mmcv.parallel import MMDistributedDataParallel
@@ -53,9 +56,13 @@ def main() -> None:
     kwargs = dict(SCENARIOS[args.scenario])
     separate = kwargs.pop("separate_work_dirs", False)
     work_dir = os.path.join(args.out, f"work_rank{rank}" if separate else "work")
+    if args.cuda:
+        kwargs.update(device="cuda", fp16_type="Fp16OptimizerHook")
     r = build_runner(work_dir, runner="iter", n_samples=32, **kwargs)
     # As mmdet's train_detector does for distributed runs: DDP around the model, a DistributedSampler.
-    r.model = MMDistributedDataParallel(r.model, device_ids=None, broadcast_buffers=False)
+    module = r.model.module if args.cuda else r.model  # (on CUDA the harness put it in MMDataParallel)
+    r.model = MMDistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if args.cuda else None,
+                                        broadcast_buffers=False)
     dataset = r.loader.dataset
     r.loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, shuffle=False))
     result = dict(rank=rank, world_size=dist.get_world_size(), error=None, error_type=None)
@@ -78,6 +85,9 @@ def main() -> None:
         max_norm=(hook.grad_clip or {}).get("max_norm"),
         snapshot_bytes=guard.ring.nbytes(),
         snapshots=len(guard.ring),
+        device=str(next(model.parameters()).device),
+        optimizer_hook=type(hook).__name__,
+        side_group=side_group_report(),
     )
     with open(os.path.join(args.out, f"result_rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, default=str)

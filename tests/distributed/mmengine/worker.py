@@ -42,9 +42,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("out")
+    parser.add_argument("--cuda", action="store_true", help="NCCL, one GPU per rank, MMEngine's AmpOptimWrapper")
     args = parser.parse_args()
-    # Gloo before the Runner: MMEngine then skips init_dist (and its torch.cuda.set_device).
-    dist.init_process_group("gloo")
+    from rank_setup import init_process_group, side_group_report
+
+    init_process_group(args.cuda)
     rank = dist.get_rank()
     from harness import build_runner, guard_hook
     from scenarios import weights_digest
@@ -53,9 +55,11 @@ def main() -> None:
     separate = kwargs.pop("separate_work_dirs", False)
     work_dir = os.path.join(args.out, f"work_rank{rank}" if separate else "work")
     kwargs.setdefault("model_kwargs", SMALL)
-    runner = build_runner(work_dir, launcher="pytorch",
-                          cfg=dict(model_wrapper_cfg=dict(type="MMDistributedDataParallel", device_ids=None)),
-                          **kwargs)
+    if args.cuda:  # MMEngine's own DDP wrapping (device_ids=[LOCAL_RANK]) and its own AmpOptimWrapper
+        kwargs.update(amp_type="AmpOptimWrapper")
+    else:
+        kwargs.update(cfg=dict(model_wrapper_cfg=dict(type="MMDistributedDataParallel", device_ids=None)))
+    runner = build_runner(work_dir, launcher="pytorch", **kwargs)
     result = dict(rank=rank, world_size=dist.get_world_size(), error=None, error_type=None)
     t0 = time.perf_counter()
     try:
@@ -75,6 +79,9 @@ def main() -> None:
         max_norm=runner.optim_wrapper.clip_grad_kwargs.get("max_norm"),
         snapshot_bytes=guard.ring.nbytes(),
         snapshots=len(guard.ring),
+        device=str(next(model.parameters()).device),
+        optim_wrapper=type(runner.optim_wrapper).__name__,
+        side_group=side_group_report(),
     )
     with open(os.path.join(args.out, f"result_rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, default=str)
