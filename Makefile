@@ -2,7 +2,7 @@
 #   make demo   the main job (builds .venv, then runs the embedded demo)
 #   make test   every test (builds .venv and .venv-mmcv1 from scratch if needed, runs ruff and both suites)
 SHELL := /bin/bash
-.PHONY: demo test envs env-mmengine env-mmcv1 lint test-core test-mmengine test-mmcv1 test-mmdet3d-scope
+.PHONY: demo test envs env-mmengine env-mmcv1 lint test-core test-mmengine test-mmcv1 test-cuda test-mmdet3d-scope
 
 demo: env-mmengine
 	.venv/bin/petr-stability demo
@@ -19,11 +19,19 @@ env-mmcv1:
 lint: env-mmengine
 	.venv/bin/ruff check .
 
+# tests/cuda runs on a GPU where there is one, else as a CPU rehearsal of its test code (tests/cuda/cuda_profile.py).
 test-mmengine: env-mmengine
-	.venv/bin/python -m pytest -q tests/core tests/mmengine tests/cli tests/distributed/mmengine
+	PETR_STABILITY_CUDA_REHEARSAL=1 .venv/bin/python -m pytest -q tests/core tests/mmengine tests/cli \
+	  tests/distributed/mmengine tests/cuda
 
 test-mmcv1: env-mmcv1
-	.venv-mmcv1/bin/python -m pytest -q tests/core tests/mmcv1 tests/distributed/mmcv1
+	PETR_STABILITY_CUDA_REHEARSAL=1 .venv-mmcv1/bin/python -m pytest -q tests/core tests/mmcv1 tests/distributed/mmcv1 \
+	  tests/cuda
+
+# The cuda group on this machine's GPU, in each environment (benchmarks/gpu_check.sh does it on a bare GPU machine).
+test-cuda: envs
+	.venv/bin/python -m pytest -q -rs -m cuda tests/cuda
+	.venv-mmcv1/bin/python -m pytest -q -rs -m cuda tests/cuda
 
 # The two suites run side by side, one thread each (2 cores; the models are small), each into its own log.
 test: envs lint

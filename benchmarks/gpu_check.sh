@@ -2,7 +2,7 @@
 # The prepared GPU check (under 5 minutes): the cuda test group under both runner families, and the benchmark,
 # summed up in one small file, $OUT/gpu_check.md (logs beside it).
 #
-# Here, beforehand:   bash benchmarks/build_gpu_wheels.sh     (wheelhouse/, ~2 MB: what the GPU machine lacks)
+# Here, beforehand:   bash benchmarks/build_gpu_wheels.sh     (wheelhouse/, 2.5 MB: what the GPU machine lacks)
 # With the device tool:
 #   run(command='bash benchmarks/gpu_check.sh "$OUT"', carry=['wheelhouse'], timeout_s=420)
 # On any GPU machine with torch, from the repository root:  bash benchmarks/gpu_check.sh [OUT_DIR]
@@ -33,22 +33,32 @@ section() {  # section TITLE LOG: the log's closing lines into the summary
     echo '```'; } >> "$summary"
 }
 
+# The project's wheel, built here from the tree that travelled (setuptools is on the machine): never stale.
+wheel_dir=/tmp/petr_stability_wheel
+rm -rf "$wheel_dir" build
+$py -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$wheel_dir" . > "$out/pip_project.log" 2>&1 \
+  || { echo "building the project's wheel failed:"; tail -n 5 "$out/pip_project.log"; } >> "$summary"
+rm -rf build
+
 for stack in mmengine mmcv1; do
   site=/tmp/petr_stability_site_$stack
   rm -rf "$site"
-  if [ -d wheelhouse/$stack ]; then
-    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-      wheelhouse/common/*.whl wheelhouse/$stack/*.whl > "$out/pip_$stack.log" 2>&1 \
-      || { echo "pip install failed for $stack" >> "$summary"; cat "$out/pip_$stack.log" >> "$summary"; }
-  fi
+  # Without a wheelhouse the machine's own mmengine / mmcv are used, and only the project goes into $site.
+  wheels=("$wheel_dir"/*.whl)
+  [ -d wheelhouse/$stack ] && wheels+=(wheelhouse/common/*.whl wheelhouse/$stack/*.whl)
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "${wheels[@]}" > "$out/pip_$stack.log" 2>&1 \
+    || { echo "pip install failed for $stack:"; tail -n 5 "$out/pip_$stack.log"; } >> "$summary"
   # The installed project is tested (not the tree): the tests run from the repository, the package from $site.
   export PYTHONPATH="$site${PYTHONPATH_BASE:+:$PYTHONPATH_BASE}"
-  $py -c "import petr_stability, mmcv; print('petr_stability from', petr_stability.__file__, '| mmcv', mmcv.__version__)" \
-    > "$out/tests_$stack.log" 2>&1
+  if ! $py -P -c "import petr_stability, mmcv; print('$stack stack: petr_stability from', petr_stability.__file__, \
+'| mmcv', mmcv.__version__)" > "$out/tests_$stack.log" 2>&1; then
+    { echo "$stack stack does not import:"; echo '```'; tail -n 4 "$out/tests_$stack.log"; echo '```'; } >> "$summary"
+  fi
   timeout 120 $py -P -m pytest -m cuda tests/cuda -q -rs -p no:cacheprovider --import-mode=importlib \
     >> "$out/tests_$stack.log" 2>&1
   echo "rc=$?" >> "$out/tests_$stack.log"
-  head -1 "$out/tests_$stack.log" >> "$summary"
+  grep -m1 "stack: petr_stability from" "$out/tests_$stack.log" >> "$summary"
   section "cuda tests, $stack stack" "$out/tests_$stack.log"
   if [ $stack = mmengine ]; then
     if [ "$cuda" = 1 ]; then bench=(--device cuda); else bench=(--device cpu --rounds 1 --block 5); fi

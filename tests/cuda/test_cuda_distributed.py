@@ -1,35 +1,35 @@
 """The distributed case on GPUs: an NCCL process group, one GPU per rank, each runner family's own DDP and fp16.
 
 Uses every GPU up to two (one on the lent machine: a 1-process NCCL group; two or more: the ranks must also
-agree). Each test skips itself, with the reason, without a GPU or without its runner family installed.
+agree). Each test skips itself, with the reason, without a GPU or without its runner family installed; see
+cuda_profile.py for the CPU rehearsal (gloo, one process).
 """
 import os
+import sys
 
-import pytest
-import torch
-
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from petr_stability.testing.stacks import require
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DIST = os.path.join(HERE, "..", "distributed")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(DIST, "common"))
+from cuda_profile import MARKS, PROFILE  # noqa: E402
+
+pytestmark = MARKS
 
 
-def _nccl_run(family, tmp_path):
-    import sys
-
-    sys.path.insert(0, os.path.join(DIST, "common"))
+def _run(family, tmp_path):
     from launch import incident_logs, run_workers
 
     from petr_stability import read_incidents
 
-    nproc = min(2, torch.cuda.device_count())
+    nproc = PROFILE.nproc()
     results, log = run_workers(os.path.join(DIST, family, "worker.py"), "weights_all_ranks", str(tmp_path),
-                               nproc=nproc, extra_args=["--cuda"])
+                               nproc=nproc, extra_args=PROFILE.worker_args)
     for r in results:
         assert r["error"] is None, r.get("traceback")
-        assert r["world_size"] == nproc and r["device"].startswith("cuda")
-        assert r["side_group"] == {"backend": "nccl", "side_backend": "gloo", "max": nproc}
+        assert r["world_size"] == nproc and r["device"].startswith(PROFILE.device)
+        assert r["side_group"] == {"backend": PROFILE.backend, "side_backend": "gloo", "max": nproc}
         assert r["finite"] and r["iter"] == 18 and r["digest"] == results[0]["digest"]
         assert r["guard"]["recoveries"] == 1 and r["max_norm"] == 1.0
     (path,) = incident_logs(str(tmp_path))
@@ -39,12 +39,12 @@ def _nccl_run(family, tmp_path):
 
 
 def test_mmengine_nccl_recovers(tmp_path):
-    pytest.importorskip("mmengine", reason="the MMEngine case needs MMEngine")
-    (r0, *_) = _nccl_run("mmengine", tmp_path)
-    assert r0["optim_wrapper"] == "AmpOptimWrapper"
+    require("mmengine")
+    (r0, *_) = _run("mmengine", tmp_path)
+    assert r0["optim_wrapper"] == PROFILE.mmengine_amp
 
 
 def test_mmcv1_nccl_recovers(tmp_path):
-    pytest.importorskip("mmcv.runner", reason="the MMCV 1.x case needs MMCV 1.x")
-    (r0, *_) = _nccl_run("mmcv1", tmp_path)
-    assert r0["optimizer_hook"] == "Fp16OptimizerHook"
+    require("mmcv1")
+    (r0, *_) = _run("mmcv1", tmp_path)
+    assert r0["optimizer_hook"] == PROFILE.mmcv1_fp16

@@ -3,20 +3,24 @@
 puts it.
 
 Run on a GPU machine in an MMCV 1.x environment: `python -m pytest -m cuda tests/cuda` (benchmarks/gpu_check.sh
-does it). Skipped, with the reason, where no GPU is present or MMCV 1.x is not installed.
+does it). Skipped, with the reason, where no GPU is present or MMCV 1.x is not installed; see cuda_profile.py
+for the CPU rehearsal.
 """
 import os
 import sys
 import types
 
 import pytest
-import torch
 
-pytest.importorskip("mmcv.runner", reason="the MMCV 1.x cases need MMCV 1.x (an MMEngine environment runs the others)")
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from petr_stability.testing.stacks import require
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mmcv1"))
+require("mmcv1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "mmcv1"))
+from cuda_profile import MARKS, PROFILE  # noqa: E402
+
+pytestmark = MARKS
 
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
 
@@ -31,23 +35,26 @@ def _no_runner_sleep(monkeypatch):
 def _runner(tmp_path, loss_scale, faults, max_iters=30, guard=GUARD):
     from harness import build_runner
 
-    return build_runner(str(tmp_path), runner="iter", amp=loss_scale, fp16_type="Fp16OptimizerHook",
-                        device="cuda", max_iters=max_iters, n_samples=32, guard=guard, faults=faults)
+    return build_runner(str(tmp_path), runner="iter", amp=loss_scale, fp16_type=PROFILE.mmcv1_fp16,
+                        device=PROFILE.device, max_iters=max_iters, n_samples=32, guard=guard, faults=faults)
+
+
+def _module(model):
+    return getattr(model, "module", model)
 
 
 @pytest.mark.parametrize("loss_scale", ["dynamic", 512.0])
 def test_poisoned_weights_recover_on_cuda(tmp_path, loss_scale):
     from harness import guard_hook, opt_hook, params_finite, run
-    from mmcv.runner import Fp16OptimizerHook
 
     from petr_stability import read_incidents
 
     r = _runner(tmp_path, loss_scale, [dict(kind="weights", iters=[20], value="nan")])
     run(r)
     hook = opt_hook(r)
-    assert type(hook) is Fp16OptimizerHook and hook.loss_scaler.is_enabled()  # MMCV's own, on a GPU
-    assert r.model.module.fp16_enabled  # wrap_fp16_model ran
-    assert next(r.model.parameters()).is_cuda
+    assert type(hook).__name__ == PROFILE.mmcv1_fp16 and hook.loss_scaler.is_enabled()
+    assert _module(r.model).fp16_enabled  # wrap_fp16_model ran
+    assert next(r.model.parameters()).device.type == PROFILE.device
     assert r.iter == 30 and params_finite(r)
     (rec,) = read_incidents(str(tmp_path))
     assert rec["event"] == "divergence" and rec["restored_from"]["source"] == "memory"
@@ -72,15 +79,16 @@ def test_healthy_step_and_snapshot_copies_add_no_host_device_sync(tmp_path, monk
     from harness import guard_hook, run
 
     import petr_stability.core.guard as guard_module
-    from petr_stability.testing.reads import cuda_syncs, watch_methods
+    from petr_stability.testing.reads import watch_methods
 
     r = _runner(tmp_path, "dynamic", [], max_iters=24, guard=dict(snapshot_interval=4, confirm_steps=3,
                                                                    check_interval=1000))
     # Past the warm-up, and not on snapshot iterations (their health check reads the device by design).
     calls = watch_methods(guard_hook(r), ["before_train_iter", "after_train_iter"],
-                          when=lambda runner: runner.iter >= 8 and (runner.iter + 1) % 4 != 0, recorder=cuda_syncs)
+                          when=lambda runner: runner.iter >= 8 and (runner.iter + 1) % 4 != 0,
+                          recorder=PROFILE.recorder)
     monkeypatch.setattr(guard_module, "copy_to_host", guard_module.copy_to_host)  # the original comes back after
-    copies = watch_methods(guard_module, ["copy_to_host"], when=lambda payload: True, recorder=cuda_syncs)
+    copies = watch_methods(guard_module, ["copy_to_host"], when=lambda payload: True, recorder=PROFILE.recorder)
     run(r)
     assert len(calls) >= 2 * 10 and len(copies) >= 5
     assert [s for call in calls + copies for s in call] == []

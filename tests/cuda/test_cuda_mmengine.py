@@ -1,19 +1,22 @@
 """The CUDA path as users run it: MMEngine's *unmodified* AmpOptimWrapper, fp16 autocast on the GPU.
 
 Run on a GPU machine: `python -m pytest -m cuda tests/cuda` (benchmarks/gpu_check.sh does it). Skipped, with the
-reason, where no GPU is present or MMEngine is not installed.
+reason, where no GPU is present or MMEngine is not installed; see cuda_profile.py for the CPU rehearsal.
 """
 import os
 import sys
 
 import pytest
-import torch
 
-pytest.importorskip("mmengine", reason="the MMEngine cases need MMEngine (an MMCV 1.x environment runs the others)")
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from petr_stability.testing.stacks import require
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mmengine"))
+require("mmengine")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "mmengine"))
+from cuda_profile import MARKS, PROFILE  # noqa: E402
+
+pytestmark = MARKS
 
 SMALL = dict(num_layers=1, num_query=16)
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
@@ -23,30 +26,30 @@ def _runner(tmp_path, loss_scale, faults, max_iters=30, guard=GUARD):
     from harness import build_runner
 
     # MMEngine's own AmpOptimWrapper (CUDA GradScaler, CUDA autocast), built from the config as users build it.
-    return build_runner(str(tmp_path), amp=loss_scale, amp_type="AmpOptimWrapper", max_iters=max_iters,
+    return build_runner(str(tmp_path), amp=loss_scale, amp_type=PROFILE.mmengine_amp, max_iters=max_iters,
                         guard=guard, model_kwargs=SMALL, faults=faults)
 
 
 @pytest.mark.parametrize("loss_scale", ["dynamic", 512.0])
 def test_poisoned_weights_recover_on_cuda(tmp_path, loss_scale):
     from harness import guard_hook, params_finite
-    from mmengine.optim import AmpOptimWrapper
 
     from petr_stability import read_incidents
 
     runner = _runner(tmp_path, loss_scale, [dict(kind="weights", iters=[20], value="nan")])
     runner.train()
-    assert type(runner.optim_wrapper) is AmpOptimWrapper
-    assert next(runner.model.parameters()).is_cuda
+    assert type(runner.optim_wrapper).__name__ == PROFILE.mmengine_amp
+    assert next(runner.model.parameters()).device.type == PROFILE.device
     assert runner.iter == 30 and params_finite(runner)
     (rec,) = read_incidents(str(tmp_path))
     assert rec["event"] == "divergence" and rec["restored_from"]["source"] == "memory"
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
     assert guard_hook(runner).guard.recoveries == 1
-    # The restored snapshot was copied into pinned host memory (asynchronous copies).
+    # On a GPU the restored snapshot was copied into pinned host memory (asynchronous copies).
     snap = guard_hook(runner).guard.ring.newest_confirmed()
     assert snap is not None and snap.payload["state_dict"]
-    assert all(t.is_pinned() for t in snap.payload["state_dict"].values() if t.is_floating_point())
+    pinned = [t.is_pinned() for t in snap.payload["state_dict"].values()]
+    assert all(pinned) if PROFILE.on_gpu else not any(pinned)
 
 
 def test_harmless_overflow_changes_nothing_on_cuda(tmp_path):
@@ -66,16 +69,16 @@ def test_healthy_step_and_snapshot_copies_add_no_host_device_sync(tmp_path, monk
     from harness import guard_hook
 
     import petr_stability.core.guard as guard_module
-    from petr_stability.testing.reads import cuda_syncs, watch_methods
+    from petr_stability.testing.reads import watch_methods
 
     runner = _runner(tmp_path, "dynamic", [], max_iters=24,
                      guard=dict(snapshot_interval=4, confirm_steps=3, check_interval=1000))
     # Past the warm-up, and not on snapshot iterations (their health check reads the device by design).
     calls = watch_methods(guard_hook(runner), ["before_train_iter", "after_train_iter"],
-                          when=lambda r: r.iter >= 8 and (r.iter + 1) % 4 != 0, recorder=cuda_syncs)
+                          when=lambda r: r.iter >= 8 and (r.iter + 1) % 4 != 0, recorder=PROFILE.recorder)
     # The snapshot's copies themselves: pinned memory, non-blocking, no wait.
     monkeypatch.setattr(guard_module, "copy_to_host", guard_module.copy_to_host)  # the original comes back after
-    copies = watch_methods(guard_module, ["copy_to_host"], when=lambda payload: True, recorder=cuda_syncs)
+    copies = watch_methods(guard_module, ["copy_to_host"], when=lambda payload: True, recorder=PROFILE.recorder)
     runner.train()
     assert len(calls) >= 2 * 10 and len(copies) >= 5
     assert [s for call in calls + copies for s in call] == []
