@@ -21,7 +21,6 @@ import random
 import statistics
 import sys
 import time
-import warnings
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -32,6 +31,7 @@ from petr_stability.core.flags import make_grad_scaler
 from petr_stability.core.guard import GuardConfig, NanGuard
 from petr_stability.core.health import all_finite, iter_tensors, model_tensors, optimizer_tensors
 from petr_stability.core.snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host, payload_nbytes
+from petr_stability.testing.reads import cuda_syncs as record_syncs
 
 SIZES = {
     "small": dict(layers=2, queries=128, memory=256, batch=1),
@@ -228,14 +228,9 @@ def cuda_syncs(b: Bench, steps: int = 20) -> Dict[str, Any]:
         norm = b.io.clip(b.model.parameters())
         b.io.last_loss = 1.0
         float(norm)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                b.guard.after_iter()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        counted += sum("synchroniz" in str(w.message) for w in caught)
+        with record_syncs() as found:
+            b.guard.after_iter()
+        counted += len(found)
         b.io.iter += 1
     return {"healthy_steps": steps, "syncs_added": counted}
 

@@ -4,7 +4,7 @@
 #
 # Here, beforehand:   bash benchmarks/build_gpu_wheels.sh     (wheelhouse/, 2.5 MB: what the GPU machine lacks)
 # With the device tool:
-#   run(command='bash benchmarks/gpu_check.sh "$OUT"', carry=['wheelhouse'], timeout_s=420)
+#   run(command='bash benchmarks/gpu_check.sh "$OUT"', carry=['wheelhouse'], timeout_s=480)
 # On any GPU machine with torch, from the repository root:  bash benchmarks/gpu_check.sh [OUT_DIR]
 # Without a GPU it still runs every step (a dry run: the cuda tests skip, the benchmark runs small on the CPU).
 #
@@ -55,7 +55,7 @@ for stack in mmengine mmcv1; do
 '| mmcv', mmcv.__version__)" > "$out/tests_$stack.log" 2>&1; then
     { echo "$stack stack does not import:"; echo '```'; tail -n 4 "$out/tests_$stack.log"; echo '```'; } >> "$summary"
   fi
-  timeout 120 $py -P -m pytest -m cuda tests/cuda -q -rs -p no:cacheprovider --import-mode=importlib \
+  timeout 150 $py -P -m pytest -m cuda tests/cuda -q -rs -p no:cacheprovider --import-mode=importlib \
     >> "$out/tests_$stack.log" 2>&1
   echo "rc=$?" >> "$out/tests_$stack.log"
   grep -m1 "stack: petr_stability from" "$out/tests_$stack.log" >> "$summary"
