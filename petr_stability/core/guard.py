@@ -339,7 +339,8 @@ class NanGuard:
 
     def _snapshot(self, iteration: int) -> None:
         # Pinned host memory and asynchronous copies where the model lives on a GPU.
-        pin = any(p.is_cuda for p in itertools.islice(self.io.model().parameters(), 1))
+        device = next((p.device for p in itertools.islice(self.io.model().parameters(), 1)), None)
+        pin = device is not None and device.type == "cuda"
         if self._holds_no_tensors():
             # The node's leader keeps the tensors; this rank keeps the structure and its own small state.
             payload = distributed.strip_tensors(self.io.capture())[0]
@@ -348,7 +349,7 @@ class NanGuard:
         # No host wait: the copies are queued on the current stream ahead of anything that writes the state
         # again (docs/benchmarks.md: why not a side stream); the host waits only when it reads the snapshot.
         _, epoch = self.io.counters()
-        snap = Snapshot(iteration, epoch, payload, nbytes=payload_nbytes(payload), copied=copies_done(pin))
+        snap = Snapshot(iteration, epoch, payload, nbytes=payload_nbytes(payload), copied=copies_done(pin, device))
         self.ring.add(snap)
 
     # ------------------------------------------------------------------ remedies and rollback

@@ -1,11 +1,28 @@
 """In-memory host copies of training state, and the ring that decides which of them count as healthy."""
 import copy
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 __all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "copies_done", "payload_nbytes", "load_optimizer_state"]
+
+
+def _host_buffer(like: torch.Tensor, pin: bool) -> Tuple[torch.Tensor, bool]:
+    """An empty host tensor shaped like ``like``, and whether it is pinned (asked for and granted).
+
+    Pinned memory is page-locked host RAM; where the system cannot give more (a snapshot ring of a large model
+    on every rank of a node), the copy goes to ordinary memory with a synchronous copy instead of failing the
+    run: slower snapshots, same contents.
+    """
+    if pin:
+        try:
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True), True
+        except RuntimeError as exc:
+            warnings.warn(f"NanGuard: pinned host memory unavailable ({exc}); snapshots use pageable memory and "
+                          "synchronous copies", RuntimeWarning, stacklevel=3)
+    return torch.empty(like.shape, dtype=like.dtype, device="cpu"), False
 
 
 def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
@@ -31,8 +48,8 @@ def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
             return reuse
         if src.device.type == "cpu":
             return src.clone()
-        out = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-        out.copy_(src, non_blocking=pin)
+        out, pinned = _host_buffer(src, pin)
+        out.copy_(src, non_blocking=pinned)
         return out
     if isinstance(obj, dict):
         r = reuse if isinstance(reuse, dict) else {}
@@ -47,8 +64,8 @@ def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
     return copy.deepcopy(obj)
 
 
-def copies_done(pin: bool) -> Any:
-    """An event recorded on the current CUDA stream after the copies queued so far, or None without ``pin``.
+def copies_done(pin: bool, device: Any = None) -> Any:
+    """An event recorded on ``device``'s current CUDA stream after the copies queued so far (None without ``pin``).
 
     The host does not wait: the copies run on the stream in order with the step that follows, and whatever
     writes the copied tensors next (the next forward's BatchNorm buffers, the next optimizer step) is queued
@@ -57,7 +74,7 @@ def copies_done(pin: bool) -> Any:
     if not pin:
         return None
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
 
 

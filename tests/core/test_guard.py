@@ -221,7 +221,7 @@ def test_snapshot_copies_are_waited_for_only_when_a_rollback_reads_them(tmp_path
             assert self.waited_before_restores is None, "waited twice"
             self.waited_before_restores = len(io.restores)
 
-    monkeypatch.setattr(guard_module, "copies_done", lambda pin: Event())
+    monkeypatch.setattr(guard_module, "copies_done", lambda pin, device=None: Event())
     guard = make_guard(io)
     run(io, guard, 16)
     assert len(events) >= 3 and all(e.waited_before_restores is None for e in events)  # healthy: no waits

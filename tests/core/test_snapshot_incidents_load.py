@@ -196,3 +196,23 @@ def test_load_optimizer_state_falls_back_when_layout_differs():
     st = next(iter(fresh.state.values()))
     assert torch.equal(st["exp_avg"], next(iter(saved["state"].values()))["exp_avg"])
     assert st["exp_avg"] is not next(iter(saved["state"].values()))["exp_avg"]
+
+
+def test_snapshot_buffers_fall_back_to_pageable_memory_when_pinning_fails(monkeypatch):
+    # Page-locked memory can run out (a large model's ring on every rank of a node): the snapshot must still
+    # be taken, in ordinary memory with a synchronous copy, with one clear warning, not fail the training run.
+    from petr_stability.core import snapshot
+
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.warns(RuntimeWarning, match="pinned host memory unavailable .*cudaHostAlloc"):
+        buf, pinned = snapshot._host_buffer(torch.ones(2, 3, dtype=torch.float16), pin=True)
+    assert not pinned and buf.shape == (2, 3) and buf.dtype == torch.float16 and buf.device.type == "cpu"
+    buf, pinned = snapshot._host_buffer(torch.ones(4), pin=False)
+    assert not pinned and buf.shape == (4,)
