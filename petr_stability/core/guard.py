@@ -7,7 +7,6 @@ checkpoint saves) then runs the same way after a restore as it did after the cap
 schedulers stay consistent without special cases.
 """
 import abc
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -339,7 +338,7 @@ class NanGuard:
 
     def _snapshot(self, iteration: int) -> None:
         # Pinned host memory and asynchronous copies where the model lives on a GPU.
-        device = next((p.device for p in itertools.islice(self.io.model().parameters(), 1)), None)
+        device = next((p.device for p in self.io.model().parameters()), None)
         pin = device is not None and device.type == "cuda"
         if self._holds_no_tensors():
             # The node's leader keeps the tensors; this rank keeps the structure and its own small state.
@@ -347,7 +346,7 @@ class NanGuard:
         else:
             payload = copy_to_host(self.io.capture(), reuse=self.ring.recyclable(), pin=pin)
         # No host wait: the copies are queued on the current stream ahead of anything that writes the state
-        # again (docs/benchmarks.md: why not a side stream); the host waits only when it reads the snapshot.
+        # again (docs/gpu.md: why not a side stream); the host waits only when it reads the snapshot.
         _, epoch = self.io.counters()
         snap = Snapshot(iteration, epoch, payload, nbytes=payload_nbytes(payload), copied=copies_done(pin, device))
         self.ring.add(snap)
