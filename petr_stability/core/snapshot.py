@@ -9,6 +9,9 @@ import torch
 __all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "copies_done", "payload_nbytes", "load_optimizer_state"]
 
 
+_PIN_FAILED = False
+
+
 def _host_buffer(like: torch.Tensor, pin: bool) -> Tuple[torch.Tensor, bool]:
     """An empty host tensor shaped like ``like``, and whether it is pinned (asked for and granted).
 
@@ -16,10 +19,12 @@ def _host_buffer(like: torch.Tensor, pin: bool) -> Tuple[torch.Tensor, bool]:
     on every rank of a node), the copy goes to ordinary memory with a synchronous copy instead of failing the
     run: slower snapshots, same contents.
     """
-    if pin:
+    global _PIN_FAILED
+    if pin and not _PIN_FAILED:
         try:
             return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True), True
         except RuntimeError as exc:
+            _PIN_FAILED = True  # once: not one warning (and one failing allocation) per tensor
             warnings.warn(f"NanGuard: pinned host memory unavailable ({exc}); snapshots use pageable memory and "
                           "synchronous copies", RuntimeWarning, stacklevel=3)
     return torch.empty(like.shape, dtype=like.dtype, device="cpu"), False

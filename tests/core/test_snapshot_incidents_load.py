@@ -3,6 +3,7 @@ import copy
 import math
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -211,8 +212,11 @@ def test_snapshot_buffers_fall_back_to_pageable_memory_when_pinning_fails(monkey
         return real_empty(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(snapshot, "_PIN_FAILED", False)
     with pytest.warns(RuntimeWarning, match="pinned host memory unavailable .*cudaHostAlloc"):
         buf, pinned = snapshot._host_buffer(torch.ones(2, 3, dtype=torch.float16), pin=True)
     assert not pinned and buf.shape == (2, 3) and buf.dtype == torch.float16 and buf.device.type == "cpu"
-    buf, pinned = snapshot._host_buffer(torch.ones(4), pin=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the next buffers go to pageable memory without a word
+        buf, pinned = snapshot._host_buffer(torch.ones(4), pin=True)
     assert not pinned and buf.shape == (4,)
