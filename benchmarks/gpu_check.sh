@@ -6,7 +6,8 @@
 # With the device tool:
 #   run(command='bash benchmarks/gpu_check.sh "$OUT"', carry=['wheelhouse'], timeout_s=480)
 # On any GPU machine with torch, from the repository root:  bash benchmarks/gpu_check.sh [OUT_DIR]
-# Without a GPU it still runs every step (a dry run: the cuda tests skip, the benchmark runs small on the CPU).
+# Without a GPU it still runs every step (a dry run: the cuda tests skip, the benchmark runs small on the CPU);
+# with PETR_STABILITY_CUDA_REHEARSAL=1 the dry run also runs the cuda tests' code on the CPU stand-ins.
 #
 # MMEngine's stack (mmengine + mmcv-lite) and MMCV 1.7.2 are both `mmcv`: each goes into its own --target folder,
 # put in front of the machine's own packages with PYTHONPATH for its pass only.
@@ -14,7 +15,9 @@ set -uo pipefail
 out=${1:-${OUT:-gpu_results}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# PYTHONSAFEPATH (Python >= 3.11; older ones ignore it): the working directory is not put first on sys.path, so
+# the installed package is imported and tested, not the tree's copy.
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONSAFEPATH=1
 summary="$out/gpu_check.md"
 cuda=$($py -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 {
@@ -51,11 +54,11 @@ for stack in mmengine mmcv1; do
     || { echo "pip install failed for $stack:"; tail -n 5 "$out/pip_$stack.log"; } >> "$summary"
   # The installed project is tested (not the tree): the tests run from the repository, the package from $site.
   export PYTHONPATH="$site${PYTHONPATH_BASE:+:$PYTHONPATH_BASE}"
-  if ! $py -P -c "import petr_stability, mmcv; print('$stack stack: petr_stability from', petr_stability.__file__, \
+  if ! $py -c "import petr_stability, mmcv; print('$stack stack: petr_stability from', petr_stability.__file__, \
 '| mmcv', mmcv.__version__)" > "$out/tests_$stack.log" 2>&1; then
     { echo "$stack stack does not import:"; echo '```'; tail -n 4 "$out/tests_$stack.log"; echo '```'; } >> "$summary"
   fi
-  timeout 150 $py -P -m pytest -m cuda tests/cuda -q -rs -p no:cacheprovider --import-mode=importlib \
+  timeout 150 $py -m pytest -m cuda tests/cuda -q -rs -p no:cacheprovider --import-mode=importlib \
     >> "$out/tests_$stack.log" 2>&1
   echo "rc=$?" >> "$out/tests_$stack.log"
   grep -m1 "stack: petr_stability from" "$out/tests_$stack.log" >> "$summary"
