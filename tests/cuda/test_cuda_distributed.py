@@ -29,7 +29,10 @@ def _run(family, tmp_path):
     for r in results:
         assert r["error"] is None, r.get("traceback")
         assert r["world_size"] == nproc and r["device"].startswith(PROFILE.device)
-        assert r["side_group"] == {"backend": PROFILE.backend, "side_backend": "gloo", "max": nproc}
+        # The guard agreed over its gloo group beside the training backend, one rank included, and found its
+        # node's leader for snapshot_copies='node'.
+        assert r["side_group"] == {"backend": PROFILE.backend, "side_backend": "gloo", "max": nproc,
+                                   "guard_built_it": True, "node_group": True}
         assert r["finite"] and r["iter"] == 18 and r["digest"] == results[0]["digest"]
         assert r["guard"]["recoveries"] == 1 and r["max_norm"] == 1.0
     (path,) = incident_logs(str(tmp_path))

@@ -19,10 +19,13 @@ def init_process_group(cuda: bool) -> None:
 
 
 def side_group_report() -> Dict[str, Any]:
-    """The guard's host-side (gloo) group beside the training backend: both backends and one MAX all-reduce."""
+    """The guard's host-side (gloo) group beside the training backend: both backends, one MAX all-reduce, and
+    whether the guard itself had built it (and its node group) during training."""
     from petr_stability.core import distributed as guard_dist
 
+    # Built by the guard during training when it agreed on its verdicts (and on the node's leader).
+    used = {"guard_built_it": guard_dist._GROUP is not None, "node_group": guard_dist._NODE is not None}
     group = guard_dist._host_group()
     t = torch.tensor([dist.get_rank() + 1])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return {"backend": dist.get_backend(), "side_backend": dist.get_backend(group), "max": int(t.item())}
+    return {"backend": dist.get_backend(), "side_backend": dist.get_backend(group), "max": int(t.item()), **used}
