@@ -24,6 +24,7 @@ def count_host_reads() -> Iterator[List[str]]:
     """
     reads: List[str] = []
     originals = {name: getattr(torch.Tensor, name) for name in _READS}
+    own = {name for name in _READS if name in vars(torch.Tensor)}  # the others are inherited from the C base
 
     def recording(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -39,7 +40,10 @@ def count_host_reads() -> Iterator[List[str]]:
         yield reads
     finally:
         for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
+            if name in own:
+                setattr(torch.Tensor, name, fn)
+            else:
+                delattr(torch.Tensor, name)  # back to the inherited method, as before
 
 
 @contextlib.contextmanager

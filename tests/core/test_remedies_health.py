@@ -169,3 +169,21 @@ def test_clip_probe_without_skip_keeps_grads():
     probe = ClipProbe(torch.nn.utils.clip_grad_norm_)
     probe(lin.parameters(), max_norm=1.0)
     assert probe.read()[2] is False and lin.weight.grad is not None
+
+
+def test_count_host_reads_sees_each_value_read_and_leaves_tensor_as_it_was():
+    from petr_stability.testing.reads import count_host_reads
+
+    t = torch.tensor([1.0, float("nan")])
+    before = {n: n in vars(torch.Tensor) for n in ("__float__", "__bool__", "item", "tolist", "cpu", "__int__")}
+    with count_host_reads() as reads:
+        torch.isfinite(t).all()  # stays a tensor: no read
+        t.sum() * 2
+    assert reads == []
+    with count_host_reads() as reads:
+        bool(torch.isfinite(t).all())
+        float(t[0])
+        t[0].item()
+    assert [r.split(" at ")[0] for r in reads] == ["__bool__", "__float__", "item"]
+    assert all(__file__ in r for r in reads)
+    assert {n: n in vars(torch.Tensor) for n in before} == before and float(t[0]) == 1.0
