@@ -2,7 +2,7 @@
 # The prepared GPU check (under 5 minutes): the cuda test group under both runner families, and the benchmark,
 # summed up in one small file, $OUT/gpu_check.md (logs beside it).
 #
-# Here, beforehand:   bash benchmarks/build_gpu_wheels.sh     (wheelhouse/, 2.5 MB: what the GPU machine lacks)
+# Here, beforehand:   bash benchmarks/build_gpu_wheels.sh     (wheelhouse/, 2.4 MB: what the GPU machine lacks)
 # With the device tool:
 #   run(command='bash benchmarks/gpu_check.sh "$OUT"', carry=['wheelhouse'], timeout_s=480)
 # On any GPU machine with torch, from the repository root:  bash benchmarks/gpu_check.sh [OUT_DIR]

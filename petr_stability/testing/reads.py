@@ -11,7 +11,7 @@ from typing import Any, Callable, ContextManager, Iterator, List, Sequence
 
 import torch
 
-__all__ = ["count_host_reads", "cuda_syncs", "watch_methods"]
+__all__ = ["count_host_reads", "cuda_syncs", "watch_methods", "watch_healthy_steps"]
 
 _READS = ("__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy", "cpu")
 
@@ -82,3 +82,12 @@ def watch_methods(obj: Any, names: Sequence[str], when: Callable[[Any], bool],
     for name in names:
         setattr(obj, name, wrap(getattr(obj, name)))
     return calls
+
+
+def watch_healthy_steps(hook: Any, snapshot_interval: int, warmup: int = 8,
+                        recorder: Callable[[], ContextManager[List[str]]] = count_host_reads) -> List[List[str]]:
+    """Watches a NanGuardHook's ``before_train_iter`` / ``after_train_iter`` on the steps that should read nothing:
+    past ``warmup`` iterations, and not on snapshot iterations (their health check reads the device by design).
+    Configure the guard with that ``snapshot_interval`` and a ``check_interval`` beyond the run."""
+    return watch_methods(hook, ["before_train_iter", "after_train_iter"], recorder=recorder,
+                         when=lambda runner: runner.iter >= warmup and (runner.iter + 1) % snapshot_interval != 0)

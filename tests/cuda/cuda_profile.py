@@ -21,7 +21,6 @@ REHEARSAL_VAR = "PETR_STABILITY_CUDA_REHEARSAL"
 
 @dataclass(frozen=True)
 class Profile:
-    name: str
     on_gpu: bool
     device: str
     mmengine_amp: str
@@ -37,9 +36,9 @@ class Profile:
 
 def _profile() -> Any:
     if torch.cuda.is_available():
-        return Profile("cuda", True, "cuda", "AmpOptimWrapper", "Fp16OptimizerHook", cuda_syncs, "nccl", ["--cuda"])
+        return Profile(True, "cuda", "AmpOptimWrapper", "Fp16OptimizerHook", cuda_syncs, "nccl", ["--cuda"])
     if os.environ.get(REHEARSAL_VAR) == "1":
-        return Profile("cpu rehearsal", False, "cpu", "CPUAmpOptimWrapper", "CPUFp16OptimizerHook", count_host_reads,
+        return Profile(False, "cpu", "CPUAmpOptimWrapper", "CPUFp16OptimizerHook", count_host_reads,
                        "gloo")
     return None
 

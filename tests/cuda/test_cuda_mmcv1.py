@@ -79,14 +79,11 @@ def test_healthy_step_and_snapshot_copies_add_no_host_device_sync(tmp_path, monk
     from harness import guard_hook, run
 
     import petr_stability.core.guard as guard_module
-    from petr_stability.testing.reads import watch_methods
+    from petr_stability.testing.reads import watch_healthy_steps, watch_methods
 
     r = _runner(tmp_path, "dynamic", [], max_iters=24, guard=dict(snapshot_interval=4, confirm_steps=3,
                                                                    check_interval=1000))
-    # Past the warm-up, and not on snapshot iterations (their health check reads the device by design).
-    calls = watch_methods(guard_hook(r), ["before_train_iter", "after_train_iter"],
-                          when=lambda runner: runner.iter >= 8 and (runner.iter + 1) % 4 != 0,
-                          recorder=PROFILE.recorder)
+    calls = watch_healthy_steps(guard_hook(r), snapshot_interval=4, recorder=PROFILE.recorder)
     monkeypatch.setattr(guard_module, "copy_to_host", guard_module.copy_to_host)  # the original comes back after
     copies = watch_methods(guard_module, ["copy_to_host"], when=lambda payload: True, recorder=PROFILE.recorder)
     run(r)

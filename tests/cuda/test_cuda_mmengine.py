@@ -69,13 +69,11 @@ def test_healthy_step_and_snapshot_copies_add_no_host_device_sync(tmp_path, monk
     from harness import guard_hook
 
     import petr_stability.core.guard as guard_module
-    from petr_stability.testing.reads import watch_methods
+    from petr_stability.testing.reads import watch_healthy_steps, watch_methods
 
     runner = _runner(tmp_path, "dynamic", [], max_iters=24,
                      guard=dict(snapshot_interval=4, confirm_steps=3, check_interval=1000))
-    # Past the warm-up, and not on snapshot iterations (their health check reads the device by design).
-    calls = watch_methods(guard_hook(runner), ["before_train_iter", "after_train_iter"],
-                          when=lambda r: r.iter >= 8 and (r.iter + 1) % 4 != 0, recorder=PROFILE.recorder)
+    calls = watch_healthy_steps(guard_hook(runner), snapshot_interval=4, recorder=PROFILE.recorder)
     # The snapshot's copies themselves: pinned memory, non-blocking, no wait.
     monkeypatch.setattr(guard_module, "copy_to_host", guard_module.copy_to_host)  # the original comes back after
     copies = watch_methods(guard_module, ["copy_to_host"], when=lambda payload: True, recorder=PROFILE.recorder)

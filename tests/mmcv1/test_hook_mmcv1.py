@@ -265,13 +265,11 @@ def test_nonfinite_buffer_saved_in_checkpoint_is_caught_at_the_save(tmp_path):
 def test_healthy_step_reads_no_tensor_value(tmp_path, amp):
     # On CUDA every read of a tensor's value waits for the device. The runner already read this step's
     # grad_norm and loss for its log; the guard must reuse those floats on a step with no check or snapshot.
-    from petr_stability.testing.reads import watch_methods
+    from petr_stability.testing.reads import watch_healthy_steps
 
     r = build_runner(str(tmp_path), runner="iter", amp=amp, max_iters=24, n_samples=32,
                      guard=dict(snapshot_interval=4, confirm_steps=3, check_interval=1000))
-    # Past the warm-up, and not on snapshot iterations (their health check reads the device by design).
-    calls = watch_methods(guard_hook(r), ["before_train_iter", "after_train_iter"],
-                          when=lambda runner: runner.iter >= 8 and (runner.iter + 1) % 4 != 0)
+    calls = watch_healthy_steps(guard_hook(r), snapshot_interval=4)
     run(r)
     assert r.iter == 24 and len(calls) >= 2 * 10
     assert [read for call in calls for read in call] == []

@@ -249,13 +249,11 @@ def test_hook_resolves_from_mmdet3d_scope(monkeypatch):
 def test_healthy_step_reads_no_tensor_value(tmp_path, amp):
     # On CUDA every read of a tensor's value waits for the device. MMEngine already read this step's grad_norm
     # and loss into its message hub; the guard must reuse those floats on a step with no check or snapshot.
-    from petr_stability.testing.reads import watch_methods
+    from petr_stability.testing.reads import watch_healthy_steps
 
     runner = build_runner(str(tmp_path), amp=amp, max_iters=24, model_kwargs=dict(num_layers=1, num_query=16),
                           guard=dict(snapshot_interval=4, confirm_steps=3, check_interval=1000))
-    # Past the warm-up, and not on snapshot iterations (their health check reads the device by design).
-    calls = watch_methods(guard_hook(runner), ["before_train_iter", "after_train_iter"],
-                          when=lambda r: r.iter >= 8 and (r.iter + 1) % 4 != 0)
+    calls = watch_healthy_steps(guard_hook(runner), snapshot_interval=4)
     runner.train()
     assert runner.iter == 24 and len(calls) >= 2 * 10
     assert [read for call in calls for read in call] == []
