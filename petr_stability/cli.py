@@ -3,12 +3,15 @@ import argparse
 import sys
 from typing import List, Optional
 
+from . import __version__
+
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="petr-stability", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="the same corrupted-data burst against three fp16 runs (about 3 min on CPU)")
@@ -17,13 +20,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a ~30 s variant with a smaller model")
 
     report = sub.add_parser("report", help="summarize a run's incidents and plot its timeline")
-    report.add_argument("work_dir", help="the run's work dir (searched recursively for logs)")
-    report.add_argument("-o", "--out", default=None, help="PNG path (default WORK_DIR/nan_guard_report.png)")
+    report.add_argument("work_dir", help="the run's work dir, its nan_guard_incidents.jsonl, or a dir of several "
+                                         "runs (each reported on its own)")
+    report.add_argument("-o", "--out", default=None,
+                        help="PNG path (default <run>/nan_guard_report.png; one run only)")
 
-    patch = sub.add_parser("patch-config", help="write the seed's fix (dropout 0, max_norm <= 1) into a config")
-    patch.add_argument("config", help="an MMEngine or MMCV 1.x Python config")
-    patch.add_argument("-o", "--out", required=True, help="the patched, self-contained config to write")
-    patch.add_argument("--max-norm", type=float, default=1.0, help="clipping bound (default 1, the seed's)")
+    patch = sub.add_parser("patch-config", help="write the known manual fix (transformer dropout 0, max_norm 1) "
+                                                "into a config")
+    patch.add_argument("config", help="an MMEngine or MMCV 1.x Python config (.py)")
+    patch.add_argument("-o", "--out", default=None, help="the patched, self-contained config to write")
+    patch.add_argument("--in-place", action="store_true",
+                       help="overwrite CONFIG itself (with or without -o CONFIG); the original is kept as CONFIG.bak")
+    patch.add_argument("--max-norm", type=float, default=1.0,
+                       help="clipping bound: max_norm becomes min(current, this) (default 1)")
     return parser
 
 
@@ -38,7 +47,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             from .tools import patch_config as tool
         return tool.main(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, OSError) as exc:  # OSError: FileNotFoundError, a directory, no permission
         print(f"petr-stability {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

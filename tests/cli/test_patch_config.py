@@ -8,7 +8,13 @@ import sys
 import pytest
 
 from petr_stability.cli import main
-from petr_stability.tools.patch_config import load_config, patch_config_dict, write_patched_config
+from petr_stability.tools.patch_config import (
+    HAS_MMENGINE,
+    load_config,
+    patch_config_dict,
+    strip_fault_injection,
+    write_patched_config,
+)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -57,7 +63,7 @@ def test_mmengine_config_patched_and_nothing_else(tmp_path, capsys):
     assert patched["optim_wrapper"]["optimizer"] == dict(type="AdamW", lr=1e-4, weight_decay=0.01)
     assert patched["model"]["img_backbone"]["drop_path_rate"] == 0.1
     assert patched["model"]["img_neck"]["dropout"] == 0.2
-    assert patched["embed"] == 256
+    assert patched["embed"] == 24
     assert patched["custom_imports"]["imports"] == ["projects.PETR.petr", "no_such_package.plugin"]
     for k in expected:
         assert k in printed
@@ -118,10 +124,11 @@ def test_output_loads_with_mmengine_from_another_directory(tmp_path):
 
 def test_write_patched_config_from_text(tmp_path):
     text = open(os.path.join(DATA, "_base_", "mmcv1_petr_base.py")).read()
-    changes = write_patched_config(text, str(tmp_path / "w" / "fixed.py"))
-    assert len(changes) == 4
+    result = write_patched_config(text, str(tmp_path / "w" / "fixed.py"))
+    assert len(result) == len(result.changes) == 4  # len() is the number of changes, as older callers read it
+    assert result.kind == "flat"
     assert load_config(str(tmp_path / "w" / "fixed.py"))["optimizer_config"]["grad_clip"]["max_norm"] == 1
-    assert write_patched_config(str(tmp_path / "w" / "fixed.py"), str(tmp_path / "again.py")) == []
+    assert write_patched_config(str(tmp_path / "w" / "fixed.py"), str(tmp_path / "again.py")).changes == []
 
 
 def test_errors_name_the_bad_value(tmp_path, capsys):
@@ -137,3 +144,175 @@ def test_errors_name_the_bad_value(tmp_path, capsys):
     assert "optim_wrapper" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0, got 0"):
         patch_config_dict(load_config(os.path.join(DATA, "mmcv1_petr.py")), max_norm=0)
+
+
+# ------------------------------------------------------------------ CLI refusals (exit 2, the file named)
+def _copy_data(tmp_path):
+    dst = tmp_path / "cfgs"
+    shutil.copytree(DATA, dst)
+    return dst
+
+
+def test_non_python_config_refused(tmp_path, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"model": {}}')
+    assert main(["patch-config", str(cfg), "-o", str(tmp_path / "o.py")]) == 2
+    err = capsys.readouterr().err
+    assert "c.json" in err and ".py" in err
+    assert not (tmp_path / "o.py").exists()
+
+
+def test_out_equal_to_input_needs_in_place(tmp_path, capsys):
+    cfgs = _copy_data(tmp_path)
+    cfg = cfgs / "mmcv1_petr.py"
+    before = cfg.read_text()
+    assert main(["patch-config", str(cfg), "-o", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "--in-place" in err and str(cfg) in err
+    assert cfg.read_text() == before
+    assert main(["patch-config", str(cfg), "--in-place"]) == 0
+    assert (cfgs / "mmcv1_petr.py.bak").read_text() == before
+    assert load_config(str(cfg))["optimizer_config"]["grad_clip"]["max_norm"] == 1
+    assert main(["patch-config", str(cfgs / "mmcv1_tight.py")]) == 2  # neither -o nor --in-place
+    assert "-o" in capsys.readouterr().err
+
+
+def test_out_naming_a_directory_refused(tmp_path, capsys):
+    out = tmp_path / "outdir"
+    out.mkdir()
+    assert main(["patch-config", os.path.join(DATA, "mmcv1_petr.py"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "directory" in err
+
+
+@pytest.mark.parametrize("body, error", [
+    ("model = dict(type=undefined_name)\n", "NameError"),
+    # (an `import` statement would make MMEngine read the file as a lazy-import config, which defers it)
+    ("plugin = __import__('no_such_module_for_petr_stability')\nmodel = dict()\n", "ModuleNotFoundError"),
+])
+@pytest.mark.parametrize("use_mmengine", [False, True])
+def test_config_that_raises_is_exit_2_naming_the_file(tmp_path, capsys, monkeypatch, body, error, use_mmengine):
+    if use_mmengine and not HAS_MMENGINE:
+        pytest.skip("mmengine is not installed")
+    monkeypatch.setattr("petr_stability.tools.patch_config.HAS_MMENGINE", use_mmengine)
+    cfg = tmp_path / "raises.py"
+    cfg.write_text(body)
+    assert main(["patch-config", str(cfg), "-o", str(tmp_path / "o.py")]) == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err and error in err
+    assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ MMEngine's own syntax
+@pytest.mark.parametrize("name", ["mmengine_base_ref.py", "mmengine_read_base.py"])
+def test_mmengine_base_references_and_read_base(tmp_path, name):
+    if not HAS_MMENGINE:
+        pytest.skip("mmengine is not installed")
+    from mmengine.config import Config
+
+    out = _patch_elsewhere(tmp_path, name)
+    patched = Config.fromfile(out, import_custom_modules=False).to_dict()
+    assert patched["optim_wrapper"]["optimizer"]["lr"] == pytest.approx(4e-4)
+    assert patched["optim_wrapper"]["clip_grad"]["max_norm"] == 1
+    layer = patched["model"]["pts_bbox_head"]["transformer"]["decoder"]["transformerlayers"]
+    assert layer["ffn_dropout"] == 0 and layer["attn_cfgs"][1]["proj_drop"] == 0
+    assert patched["model"]["img_backbone"]["drop_path_rate"] == 0.1
+    if name == "mmengine_base_ref.py":
+        assert patched["train_cfg"]["max_epochs"] == 12
+
+
+def test_stdlib_loader_reads_base_references_as_mmengine_does():
+    path = os.path.join(DATA, "mmengine_base_ref.py")
+    stdlib = load_config(path, use_mmengine=False)
+    assert stdlib["optim_wrapper"]["optimizer"]["lr"] == pytest.approx(4e-4)
+    assert stdlib["train_cfg"]["max_epochs"] == 12
+    if HAS_MMENGINE:
+        assert _diff(stdlib, load_config(path, use_mmengine=True)) == {}
+
+
+# ------------------------------------------------------------------ what the hook calls
+def test_strip_fault_injection_is_pure():
+    cfg = load_config(os.path.join(DATA, "mmcv1_drill.py"))
+    before = copy.deepcopy(cfg)
+    stripped = strip_fault_injection(cfg)
+    assert cfg == before
+    assert stripped["custom_hooks"] == [dict(type="NanGuardHook")]
+    cls_cfg = dict(custom_hooks=[dict(type="petr_stability.FaultInjectionHook"), dict(type=type("FaultInjectionHook",
+                                                                                                  (), {}))])
+    assert strip_fault_injection(cls_cfg)["custom_hooks"] == []
+    assert strip_fault_injection(dict(model=dict())) == dict(model=dict())
+
+
+def _effective_mmcv1():
+    """The config a run was built from: the file, plus an override and the fire drill still in custom_hooks."""
+    cfg = load_config(os.path.join(DATA, "mmcv1_drill.py"))
+    cfg["data"]["samples_per_gpu"] = 2  # e.g. --cfg-options data.samples_per_gpu=2
+    cfg["work_dir"] = "/tmp/work_dirs/petr"
+    return cfg
+
+
+def test_child_config_from_the_effective_config(tmp_path):
+    original = os.path.join(DATA, "mmcv1_drill.py")
+    effective = _effective_mmcv1()
+    out = str(tmp_path / "run" / "nan_guard_patched_config.py")
+    result = write_patched_config(effective, out, max_norm=1.0, original_path=original)
+    assert result.kind == "child" and result.path == out
+    assert effective == _effective_mmcv1()  # the caller's dict is left alone
+    text = open(out).read()
+    assert f"_base_ = [{os.path.abspath(original)!r}]" in text
+    assert "img_backbone" not in text and "plugin_dir" not in text  # only the changed keys
+    assert "samples_per_gpu=2" in text and "FaultInjectionHook" not in text.split("\n# -")[0].split("_base_")[-1]
+    # It loads back to exactly the flat patch of the effective config.
+    flat = strip_fault_injection(effective)
+    patch_config_dict(flat, 1.0)
+    loaded = load_config(out)
+    assert _diff(loaded, flat) == {}
+    assert loaded["custom_hooks"] == [dict(type="NanGuardHook")]
+    assert loaded["data"] == dict(samples_per_gpu=2, workers_per_gpu=4)
+    assert len(result.changes) == 4 and any("FaultInjectionHook" in n for n in result.notes)
+    # the same file loads with the stdlib loader too (MMCV-1-only environments)
+    assert _diff(load_config(out, use_mmengine=False), flat) == {}
+
+
+def test_child_config_mmengine_with_override(tmp_path):
+    original = os.path.join(DATA, "mmengine_base_ref.py")
+    effective = load_config(original)
+    effective["optim_wrapper"]["optimizer"]["lr"] = 1e-5  # an override that differs from the file
+    effective["train_cfg"].pop("val_interval")  # a key the run dropped: the dict must be replaced whole
+    out = str(tmp_path / "child.py")
+    result = write_patched_config(effective, out, original_path=original)
+    assert result.kind == "child"
+    flat = copy.deepcopy(effective)
+    patch_config_dict(flat, 1.0)
+    assert _diff(load_config(out), flat) == {}
+    assert "_delete_=True" in open(out).read()
+
+
+def test_flat_when_no_reachable_original(tmp_path):
+    effective = _effective_mmcv1()
+    for original in (None, str(tmp_path / "gone.py")):
+        out = str(tmp_path / "flat.py")
+        result = write_patched_config(effective, out, original_path=original)
+        assert result.kind == "flat"
+        assert "_base_" not in load_config(out) and "_base_ =" not in open(out).read()
+        assert load_config(out)["data"]["samples_per_gpu"] == 2
+        assert load_config(out)["custom_hooks"] == [dict(type="NanGuardHook")]
+    assert any("gone.py" in n for n in result.notes)
+
+
+def test_read_base_original_gives_flat(tmp_path):
+    if not HAS_MMENGINE:
+        pytest.skip("mmengine is not installed")
+    original = os.path.join(DATA, "mmengine_read_base.py")
+    result = write_patched_config(load_config(original), str(tmp_path / "p.py"), original_path=original)
+    assert result.kind == "flat"
+    assert any("read_base" in n for n in result.notes)
+    assert load_config(str(tmp_path / "p.py"))["optim_wrapper"]["clip_grad"]["max_norm"] == 1
+
+
+def test_hidden_transformer_is_a_note(tmp_path):
+    cfg = dict(model=dict(type="Petr3D", pts_bbox_head=dict(type="PETRHead", transformer_cfg="built in code")),
+               optimizer=dict(type="AdamW", lr=2e-4), optimizer_config=dict(grad_clip=dict(max_norm=35)))
+    result = write_patched_config(cfg, str(tmp_path / "p.py"), max_norm=0.5)
+    assert [str(c) for c in result.changes] == ["optimizer_config.grad_clip.max_norm: 35 -> 0.5"]
+    assert any("no transformer found" in n for n in result.notes)
