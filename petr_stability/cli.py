@@ -33,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="overwrite CONFIG itself (with or without -o CONFIG); the original is kept as CONFIG.bak")
     patch.add_argument("--max-norm", type=float, default=1.0,
                        help="clipping bound: max_norm becomes min(current, this) (default 1)")
+
+    check = sub.add_parser("check", help="name the known fp16 hazards of a config before training (pre-flight)")
+    check.add_argument("config", help="an MMEngine or MMCV 1.x Python config (.py)")
+    check.add_argument("--gpus", type=int, default=None,
+                       help="GPUs the run will use (default: unknown, the learning-rate check is skipped)")
+    check.add_argument("--batch-per-gpu", type=int, default=None,
+                       help="per-GPU batch (default: read from the config)")
+    check.add_argument("--strict", action="store_true", help="exit 1 when any warning is found")
     return parser
 
 
@@ -44,6 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .tools import demo as tool
         elif args.command == "report":
             from .tools import report as tool
+        elif args.command == "check":
+            from .tools import preflight as tool
         else:
             from .tools import patch_config as tool
         return tool.main(args)
