@@ -428,6 +428,14 @@ def test_check_runner_config_with_mmengine_config():
     assert "lr-not-scaled" in _ids(check_runner_config(cfg, 2))
 
 
+def test_check_runner_config_with_mmcv1_config():
+    mmcv = pytest.importorskip("mmcv")
+    if not hasattr(mmcv, "Config"):
+        pytest.skip("mmcv 2.x has no Config (MMEngine's is tested above)")
+    cfg = mmcv.Config.fromfile(PETR)
+    assert _ids(check_runner_config(cfg, 8)) == ["static-loss-scale", "transformer-dropout"]
+
+
 # ------------------------------------------------------------------------------------------- CLI
 def test_cli_exit_codes(capsys):
     assert main(["check", STREAMPETR, "--gpus", "2"]) == 0
