@@ -1,27 +1,179 @@
-"""``petr-stability report WORK_DIR``: summarizes a run's incidents and plots loss, grad_norm, scale and max_norm."""
-import glob
+"""``petr-stability report WORK_DIR``: summarizes a run's incidents and plots loss, grad_norm, scale and max_norm.
+
+A work dir is read as the runners write it: ``nan_guard_incidents.jsonl`` at its top, MMEngine's
+``<timestamp>/vis_data/scalars.json`` and MMCV 1.x's ``<timestamp>.log.json`` (one per start, so a resumed run has
+several, read in timestamp order). After a rollback the runner's counter replays iterations, so log lines are kept
+in file order and cut into *segments* (a new one wherever the iteration does not move forward, and at every new
+file): each attempt is drawn as its own line, never sorted into one zig-zag. Damaged lines are reported with file
+and line number, and every count that could be short because of them says so.
+"""
+import json
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..core.incidents import iter_json_lines, read_incidents
+from ..core.diagnose import summarize as summarize_diagnosis
+from ..core.incidents import INCIDENT_FILE
 
-__all__ = ["find_logs", "read_scalars", "summarize", "plot_timeline", "main"]
+__all__ = [
+    "RunLogs",
+    "LogProblem",
+    "read_json_records",
+    "find_runs",
+    "read_incident_records",
+    "read_scalars",
+    "summarize",
+    "plot_timeline",
+    "main",
+]
 
 _DROPOUT_ATTRS = ("p", "dropout", "dropout_p", "drop_prob", "attn_drop", "proj_drop")
+#: Events that are incidents (a recovery or a scale switch); ``gave_up`` ends the run.
+_INCIDENT_EVENTS = ("divergence", "stalled")
+_RUNNER_TYPE = re.compile(r"""runner\s*=\s*dict\(\s*type\s*=\s*['"](\w+)['"]"""
+                          r"""|['"]runner['"]\s*:\s*\{\s*['"]type['"]\s*:\s*['"](\w+)['"]""")
+_EPOCH_LEN = re.compile(r"Epoch \[\d+\]\[\d+/(\d+)\]")
 
 
-def find_logs(work_dir: str) -> Dict[str, List[str]]:
-    """Finds the incident logs, MMEngine ``vis_data/scalars.json`` and MMCV 1.x ``*.log.json`` under a work dir."""
-    if not os.path.isdir(work_dir):
-        raise FileNotFoundError(f"work dir {work_dir} does not exist")
-    def rec(pattern: str) -> List[str]:
-        return sorted(glob.glob(os.path.join(work_dir, "**", pattern), recursive=True), key=os.path.getmtime)
-    return {
-        "incidents": rec("nan_guard_incidents.jsonl"),
-        "mmengine": rec("scalars.json"),
-        "mmcv1": rec("*.log.json"),
-    }
+@dataclass
+class LogProblem:
+    """A line that could not be used: where it is and why."""
+
+    path: str
+    line: int
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.what}"
+
+
+@dataclass
+class RunLogs:
+    """The log files of one run (one work dir), each list in the order it was written."""
+
+    root: str
+    incidents: List[str] = field(default_factory=list)
+    mmengine: List[str] = field(default_factory=list)
+    mmcv1: List[str] = field(default_factory=list)
+
+    def files(self) -> List[str]:
+        """Every file, incidents first."""
+        return self.incidents + self.mmengine + self.mmcv1
+
+
+def read_json_records(path: str, required: Sequence[str] = ()) -> Tuple[List[Tuple[int, Dict[str, Any]]],
+                                                                        List[LogProblem]]:
+    """Reads a JSON-lines file, keeping line numbers and saying what went wrong with each unusable line.
+
+    Unlike :func:`petr_stability.core.incidents.iter_json_lines` nothing is skipped silently: non-UTF-8 bytes, a
+    line that is not JSON (a torn line), a JSON value that is not an object and an object missing one of
+    ``required`` are each a :class:`LogProblem`.
+
+    Args:
+        path: the file.
+        required: keys every record must have. Defaults to none.
+
+    Returns:
+        ([(line number, record), ...], [problem, ...]), both in file order; blank lines are neither.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    records: List[Tuple[int, Dict[str, Any]]] = []
+    problems: List[LogProblem] = []
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problems.append(LogProblem(path, number, f"not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                                     f"{exc.start + 1})"))
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            torn = number == len(lines) and not data.endswith(b"\n")
+            problems.append(LogProblem(path, number, "a torn line (cut off while it was written)" if torn
+                                       else f"not valid JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        if not isinstance(value, dict):
+            problems.append(LogProblem(path, number, f"a JSON {type(value).__name__}, not an object"))
+            continue
+        missing = [k for k in required if k not in value]
+        if missing:
+            problems.append(LogProblem(path, number, f"record without {', '.join(repr(k) for k in missing)}"))
+            continue
+        records.append((number, value))
+    return records, problems
+
+
+def _run_root(path: str) -> Optional[Tuple[str, str]]:
+    """(run root, kind) of a log file by its name and place, or None for other files."""
+    name = os.path.basename(path)
+    here = os.path.dirname(os.path.abspath(path))
+    if name.endswith(".jsonl") and name == INCIDENT_FILE:
+        return here, "incidents"
+    if name == "scalars.json" and os.path.basename(here) == "vis_data":
+        return os.path.dirname(os.path.dirname(here)), "mmengine"  # <work_dir>/<timestamp>/vis_data/
+    if name.endswith(".log.json"):
+        return here, "mmcv1"
+    return None
+
+
+def find_runs(path: str) -> List[RunLogs]:
+    """The runs under a work dir (or the run a log file belongs to), each with its logs in writing order.
+
+    A run is a directory holding ``nan_guard_incidents.jsonl`` or ``*.log.json``, or the work dir above a
+    ``<timestamp>/vis_data/scalars.json``. Timestamped names sort in time order; that order is used.
+
+    Args:
+        path: a work dir, a parent of several, or one log file (e.g. the ``.jsonl`` itself).
+
+    Returns:
+        The runs, sorted by directory.
+    """
+    if os.path.isfile(path):
+        found = _run_root(path)
+        if found is None:
+            raise ValueError(f"{path} is not a run's log (nan_guard_incidents.jsonl, vis_data/scalars.json or "
+                             "*.log.json); give the run's work dir")
+        root, kind = found
+        runs = [r for r in find_runs(root) if r.root == root] or [RunLogs(root)]
+        setattr(runs[0], kind, [os.path.abspath(path)])
+        return runs[:1]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"work dir {path} does not exist")
+    runs: Dict[str, RunLogs] = {}
+    for here, dirs, files in os.walk(os.path.abspath(path)):
+        dirs.sort()
+        for name in files:
+            found = _run_root(os.path.join(here, name))
+            if found is not None:
+                root, kind = found
+                getattr(runs.setdefault(root, RunLogs(root)), kind).append(os.path.join(here, name))
+    for run in runs.values():
+        run.mmengine.sort(key=lambda p: os.path.relpath(p, run.root))
+        run.mmcv1.sort(key=os.path.basename)
+    return [runs[k] for k in sorted(runs)]
+
+
+def read_incident_records(run: RunLogs) -> Tuple[List[Dict[str, Any]], List[LogProblem]]:
+    """The incident log's records (each needs ``event`` and ``iteration``) and the lines that could not be read."""
+    records: List[Dict[str, Any]] = []
+    problems: List[LogProblem] = []
+    for path in run.incidents:
+        recs, probs = read_json_records(path, required=("event", "iteration"))
+        for number, rec in recs:
+            if isinstance(rec["iteration"], bool) or not isinstance(rec["iteration"], int):
+                probs.append(LogProblem(path, number, f"'iteration' is not an integer: {rec['iteration']!r}"))
+                continue
+            records.append(rec)
+        problems += sorted(probs, key=lambda p: p.line)
+    return records, problems
 
 
 def _num(value: Any) -> Optional[float]:
@@ -37,44 +189,143 @@ def _num(value: Any) -> Optional[float]:
     return None
 
 
-def read_scalars(paths: Dict[str, List[str]]) -> List[Dict[str, float]]:
-    """Reads training log lines as ``{'iter': ..., 'loss': ..., 'grad_norm': ..., ...}``, NaN/Inf kept.
+def _numbers(rec: Dict[str, Any]) -> Dict[str, float]:
+    return {k: v for k, v in ((k, _num(v)) for k, v in rec.items()) if v is not None}
 
-    MMEngine lines carry a global ``iter``; MMCV 1.x epoch-based lines count ``iter`` within an epoch, so a
-    global iteration is rebuilt from the epoch boundaries. Lines that do not parse are skipped.
+
+def _mmcv1_runner_kind(meta: List[Dict[str, Any]]) -> Optional[str]:
+    """'iter' or 'epoch' from the runner type in the config text MMCV 1.x dumps as a log's first line."""
+    for rec in meta:
+        match = _RUNNER_TYPE.search(str(rec.get("config", "")))
+        if match:
+            name = match.group(1) or match.group(2)
+            if "Iter" in name:
+                return "iter"
+            if "Epoch" in name:
+                return "epoch"
+    return None
+
+
+def _epoch_length_from_text_logs(paths: Sequence[str]) -> Optional[int]:
+    """``len(data_loader)`` from the text log next to a ``.log.json`` (``Epoch [1][50/3517]``)."""
+    for path in paths:
+        text_log = path[: -len(".json")]
+        if os.path.isfile(text_log):
+            with open(text_log, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    match = _EPOCH_LEN.search(line)
+                    if match:
+                        return int(match.group(1))
+    return None
+
+
+def _mmcv1_rows(paths: Sequence[str]) -> Tuple[List[Tuple[str, Dict[str, Any]]], List[LogProblem], str]:
+    """Train lines of MMCV 1.x logs with a global ``iter``, the problems, and how the iteration was worked out."""
+    lines: List[Tuple[str, Dict[str, Any]]] = []
+    meta: List[Dict[str, Any]] = []
+    problems: List[LogProblem] = []
+    for path in paths:
+        recs, probs = read_json_records(path)
+        problems += probs
+        for number, rec in recs:
+            if "mode" not in rec:
+                meta.append(rec)  # env_info / config / seed, written at the start of each run
+                continue
+            if rec["mode"] != "train":
+                continue
+            bad = [k for k in ("epoch", "iter") if _num(rec.get(k)) is None]
+            if bad:
+                problems.append(LogProblem(path, number, f"train record without a numeric {bad[0]!r}"))
+                continue
+            lines.append((path, rec))
+    kind = _mmcv1_runner_kind(meta)
+    how = f"{'IterBasedRunner' if kind == 'iter' else 'EpochBasedRunner'} (from the config in the log)" if kind \
+        else ""
+    if kind is None:
+        # IterBasedRunner logs a global iter and counts loader passes as epochs: across an epoch change the iter
+        # keeps growing. EpochBasedRunner's iter restarts in each epoch.
+        grows = [int(b["iter"]) > int(a["iter"]) for (_, a), (_, b) in zip(lines, lines[1:])
+                 if int(b["epoch"]) > int(a["epoch"])]
+        kind = "iter" if grows and all(grows) or not grows else "epoch"
+        how = ("a global iter (IterBasedRunner, or a single epoch)" if kind == "iter"
+               else "an iter counted within each epoch (EpochBasedRunner)")
+    if kind == "epoch":
+        length = _epoch_length_from_text_logs(paths)
+        if length is not None:
+            how += f"; epoch length {length} from the text log"
+        else:
+            length = max((int(r["iter"]) for _, r in lines), default=0)
+            how += (f"; epoch length taken as {length}, the largest iter logged in an epoch (short by less than "
+                    "the logging interval unless the length is a multiple of it; the text log next to the "
+                    ".log.json gives it exactly)")
+        for _, rec in lines:
+            rec["iter"] = (int(rec["epoch"]) - 1) * length + int(rec["iter"])
+    return lines, problems, how
+
+
+def read_scalars(run: RunLogs) -> Tuple[List[Dict[str, float]], List[LogProblem], str]:
+    """Reads a run's training log lines as rows ``{'iter', 'segment', 'loss', 'grad_norm', ...}``, NaN/Inf kept.
+
+    Rows stay in file order; ``segment`` starts at 0 and grows wherever the iteration does not move forward (the
+    counter replays after a rollback) and at each new file (a resumed run). MMEngine lines carry a global
+    ``iter``; MMCV 1.x ``IterBasedRunner`` lines too (their ``epoch`` counts loader passes); MMCV 1.x
+    ``EpochBasedRunner`` lines count ``iter`` within an epoch, made global with the epoch length.
+
+    Returns:
+        (rows, problems, a note on how MMCV 1.x iterations were read, or "").
     """
+    lines: List[Tuple[str, Dict[str, Any]]] = []
+    problems: List[LogProblem] = []
+    how = ""
+    for path in run.mmengine:
+        recs, probs = read_json_records(path)
+        problems += probs
+        for number, rec in recs:
+            if "iter" not in rec:
+                if "loss" in rec:
+                    problems.append(LogProblem(path, number, "training record without 'iter'"))
+                continue  # validation lines carry 'step' only
+            if _num(rec["iter"]) is None:
+                problems.append(LogProblem(path, number, f"'iter' is not a number: {rec['iter']!r}"))
+                continue
+            lines.append((path, rec))
+    if run.mmcv1:
+        mmcv1, probs, how = _mmcv1_rows(run.mmcv1)
+        lines += mmcv1
+        problems += probs
     rows: List[Dict[str, float]] = []
-    for path in paths.get("mmengine", []):
-        for rec in iter_json_lines(path):
-            if "iter" not in rec or "step" not in rec and "loss" not in rec:
-                continue
-            rows.append({k: v for k, v in ((k, _num(v)) for k, v in rec.items()) if v is not None})
-    offset, last_epoch, last_iter = 0, None, 0
-    for path in paths.get("mmcv1", []):
-        for rec in iter_json_lines(path):
-            if rec.get("mode") != "train" or "iter" not in rec:
-                continue
-            epoch = rec.get("epoch")
-            if last_epoch is not None and epoch != last_epoch:
-                offset += last_iter
-            last_epoch, last_iter = epoch, int(rec["iter"])
-            row = {k: v for k, v in ((k, _num(v)) for k, v in rec.items()) if v is not None}
-            row["iter"] = float(offset + int(rec["iter"]))
-            rows.append(row)
-    rows.sort(key=lambda r: r["iter"])
-    return rows
+    segment, last_path, last_iter = -1, None, None
+    for path, rec in lines:
+        row = _numbers(rec)
+        if path != last_path or last_iter is None or row["iter"] <= last_iter:
+            segment += 1
+        row["segment"] = float(segment)
+        rows.append(row)
+        last_path, last_iter = path, row["iter"]
+    return rows, problems, how
 
 
 def _fmt(value: Any) -> str:
     return "-" if value is None else (f"{value:g}" if isinstance(value, float) else str(value))
 
 
-def summarize(records: List[Dict[str, Any]], rows: List[Dict[str, float]]) -> Tuple[str, Dict[str, Any]]:
-    """The text summary and its numbers (incidents, actions, iterations lost, max_norm, dropout state)."""
-    incidents = [r for r in records if r.get("event") in ("divergence", "stalled")]
+def summarize(records: List[Dict[str, Any]], rows: List[Dict[str, float]], unreadable_records: int = 0,
+              unreadable_lines: int = 0) -> Tuple[str, Dict[str, Any]]:
+    """The text summary and its numbers (incidents, actions, iterations lost, skips, max_norm, dropout state).
+
+    Args:
+        records: the incident log's records, in file order.
+        rows: from :func:`read_scalars`.
+        unreadable_records: incident-log lines that could not be read; every count from the incident log is
+            then marked as a lower bound. Defaults to 0.
+        unreadable_lines: training-log lines that could not be read. Defaults to 0.
+    """
+    at_least = ">= " if unreadable_records else ""
+    incidents = [r for r in records if r.get("event") in _INCIDENT_EVENTS]
     gave_up = [r for r in records if r.get("event") == "gave_up"]
+    skips = [r for r in records if r.get("event") == "skip"]
     lost = sum(int(r.get("iterations_lost") or 0) for r in records)
-    actions = [(r.get("iteration"), a) for r in records for a in r.get("actions", [])]
+    actions = [(r.get("iteration"), a) for r in records for a in r.get("actions") or [] if isinstance(a, dict)]
     max_norm: Optional[float] = None
     for row in rows:
         if "nan_guard/max_norm" in row:
@@ -84,29 +335,67 @@ def summarize(records: List[Dict[str, Any]], rows: List[Dict[str, float]]) -> Tu
         max_norm = _num(clip_actions[-1].get("new"))
     dropout = [a for _, a in actions if str(a.get("target", "")).rsplit(".", 1)[-1] in _DROPOUT_ATTRS]
     nonfinite = sum(1 for row in rows for k in ("loss", "grad_norm") if k in row and not math.isfinite(row[k]))
+    segments = len({row["segment"] for row in rows})
     numbers = dict(incidents=len(incidents), gave_up=len(gave_up), iterations_lost=lost, actions=len(actions),
-                   max_norm=max_norm, dropout_zeroed=len(dropout), log_lines=len(rows), nonfinite_log_values=nonfinite)
-    lines = [f"incidents: {len(incidents)}" + (f" (and the guard gave up {len(gave_up)} time(s))" if gave_up else "")]
+                   skipped_steps=len(skips), max_norm=max_norm, dropout_zeroed=len(dropout), log_lines=len(rows),
+                   segments=segments, nonfinite_log_values=nonfinite, unreadable_records=unreadable_records,
+                   unreadable_lines=unreadable_lines)
+    lines = []
+    if unreadable_records:
+        lines.append(f"WARNING: {unreadable_records} incident record(s) could not be read (see the warnings): "
+                     "counts from the incident log below are lower bounds")
+    lines.append(f"incidents: {at_least}{len(incidents)}"
+                 + (f" (and the guard gave up {len(gave_up)} time(s))" if gave_up else ""))
     for r in records:
+        if r.get("event") == "skip":
+            continue
         back = r.get("restored_from") or {}
-        where = f"; rolled back to iter {int(back['iteration']) + 1} ({back.get('source')})" if back else ""
-        lines.append(f"  iter {r.get('iteration')}: {r.get('event')}: {r.get('reason')}{where}; "
-                     f"{r.get('iterations_lost') or 0} iteration(s) lost")
-    lines.append(f"iterations lost: {lost}")
-    lines.append(f"actions: {len(actions)}")
+        where = (f"; rolled back to iter {back.get('iteration')} ({back.get('source')})"
+                 if isinstance(back, dict) and back else "")
+        lines.append(f"  iter {r.get('iteration')}: {r.get('event')}: {r.get('reason') or r.get('why') or '-'}"
+                     f"{where}; {r.get('iterations_lost') or 0} iteration(s) lost")
+        if r.get("event") == "gave_up" and r.get("why"):
+            lines.append(f"    gave up: {r['why']}")
+        if isinstance(r.get("diagnosis"), dict):
+            lines.append(f"    diagnosis: {summarize_diagnosis(r['diagnosis'])}")
+    lines.append(f"iterations lost: {at_least}{lost}")
+    lines.append(f"fp32 steps skipped by the guard: {at_least}{len(skips)}")
+    for r in skips:
+        lines.append(f"  iter {r.get('iteration')}: {r.get('reason') or '-'}")
+    lines.append(f"actions: {at_least}{len(actions)}")
     for it, a in actions:
         lines.append(f"  iter {it}: {a.get('target')}: {_fmt(a.get('old'))} -> {_fmt(a.get('new'))}")
     lines.append("current max_norm: " + ("unknown (no guard scalar or clip action logged)" if max_norm is None
                                          else f"{max_norm:g}"))
     lines.append(f"dropout: {len(dropout)} transformer dropout(s) set to 0 by the guard" if dropout
                  else "dropout: unchanged by the guard (as configured)")
-    lines.append(f"log lines: {len(rows)}; non-finite loss/grad_norm values in them: {nonfinite} "
-                 "(grad_norm is averaged over the logging window; the incident log has per-step values)")
+    lines.append(f"log lines: {len(rows)} in {segments} segment(s) (a new one after each rollback and each "
+                 f"resume); non-finite loss/grad_norm values in them: {nonfinite} (grad_norm is averaged over the "
+                 "logging window; the incident log has per-step values)")
+    if unreadable_lines:
+        lines.append(f"unreadable training-log lines: {unreadable_lines} (see the warnings; left out above)")
     return "\n".join(lines), numbers
 
 
+def _superseded_from(rows: List[Dict[str, float]]) -> Dict[float, float]:
+    """Per segment, the iteration from which a later segment replays it (abandoned by a rollback)."""
+    starts: Dict[float, float] = {}
+    for row in rows:
+        starts.setdefault(row["segment"], row["iter"])
+    cut: Dict[float, float] = {}
+    later = math.inf
+    for seg in sorted(starts, reverse=True):
+        cut[seg] = later
+        later = min(later, starts[seg])
+    return cut
+
+
 def plot_timeline(rows: List[Dict[str, float]], records: List[Dict[str, Any]], path: str) -> None:
-    """Writes a PNG with loss, grad_norm, loss scale and max_norm over iterations, incidents marked."""
+    """Writes a PNG with loss, grad_norm, loss scale and max_norm over iterations, incidents marked.
+
+    Each segment of ``rows`` (see :func:`read_scalars`) is its own line; the part of a segment that a later one
+    replays (abandoned by a rollback) is drawn faint.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,53 +403,85 @@ def plot_timeline(rows: List[Dict[str, float]], records: List[Dict[str, Any]], p
 
     panels = [("loss", ["loss"], False), ("grad_norm", ["grad_norm"], True),
               ("loss scale", ["nan_guard/loss_scale", "loss_scale"], True), ("max_norm", ["nan_guard/max_norm"], False)]
+    cut = _superseded_from(rows)
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 9), sharex=True)
     for ax, (title, keys, log) in zip(axes, panels):
         key = next((k for k in keys if any(k in r for r in rows)), None)
         if key is not None:
-            pts = [(r["iter"], r[key]) for r in rows if key in r]
-            good = [(x, y) for x, y in pts if math.isfinite(y) and (y > 0 or not log)]
-            bad = [x for x, y in pts if not math.isfinite(y)]
-            if good:
-                ax.plot([x for x, _ in good], [y for _, y in good], lw=1.2)
+            any_good = False
+            for seg in sorted(cut):
+                pts = [(r["iter"], r[key]) for r in rows if r["segment"] == seg and key in r]
+                good = [(x, y) for x, y in pts if math.isfinite(y) and (y > 0 or not log)]
+                kept = [(x, y) for x, y in good if x < cut[seg]]
+                dropped = [(x, y) for x, y in good if x >= cut[seg]]
+                if kept:
+                    ax.plot([x for x, _ in kept], [y for _, y in kept], lw=1.2, color="C0")
+                if dropped:  # joined to where it left off, faint: the attempt a rollback abandoned
+                    joined = kept[-1:] + dropped
+                    ax.plot([x for x, _ in joined], [y for _, y in joined], lw=1.0, color="C0", alpha=0.35,
+                            ls="--")
+                any_good = any_good or bool(good)
+            bad = [r["iter"] for r in rows if key in r and not math.isfinite(r[key])]
             if bad:  # NaN/Inf have no height: mark them along the top edge
                 ax.plot(bad, [1.0] * len(bad), "x", color="red", transform=ax.get_xaxis_transform(),
                         label="NaN/Inf in log", clip_on=False)
                 ax.legend(loc="upper left", fontsize=8)
-            if log and good:
+            if log and any_good:
                 ax.set_yscale("log")
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
         for r in records:
             it = r.get("iteration")
-            if it is None:
+            if r.get("event") == "skip":
+                ax.axvline(it, color="grey", ls=":", lw=0.8)
                 continue
             ax.axvline(it, color="red" if r.get("event") != "stalled" else "orange", ls="--", lw=1)
             back = r.get("restored_from") or {}
-            if back:
-                ax.axvspan(int(back["iteration"]) + 1, it, color="red", alpha=0.08)
+            if isinstance(back, dict) and isinstance(back.get("iteration"), int):
+                ax.axvspan(back["iteration"], it, color="red", alpha=0.08)
         ax.set_ylabel(title)
-    axes[0].set_title("dashed: guard incidents; shaded: iterations rolled back", fontsize=9)
+    axes[0].set_title("dashed red: guard incidents; shaded: iterations rolled back (their first attempt faint); "
+                      "dotted grey: fp32 steps skipped", fontsize=9)
     axes[-1].set_xlabel("iteration")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def main(args: Any) -> int:
-    """Entry point of ``petr-stability report`` (``args`` from :mod:`petr_stability.cli`)."""
-
-    paths = find_logs(args.work_dir)
-    records = [r for p in paths["incidents"] for r in read_incidents(p)]
-    rows = read_scalars(paths)
-    if not records and not rows:
-        raise FileNotFoundError(f"no nan_guard_incidents.jsonl, vis_data/scalars.json or *.log.json under "
-                                f"{args.work_dir}")
-    text, _ = summarize(records, rows)
-    print(f"work dir: {args.work_dir}")
-    print(f"logs: {', '.join(paths['incidents'] + paths['mmengine'] + paths['mmcv1'])}")
+def _report_run(run: RunLogs, out: Optional[str]) -> None:
+    records, bad_records = read_incident_records(run)
+    rows, bad_lines, how = read_scalars(run)
+    for problem in bad_records + bad_lines:
+        print(f"warning: {problem}", file=sys.stderr)
+    print(f"work dir: {run.root}")
+    print(f"logs: {', '.join(run.files())}")
+    if how:
+        print(f"MMCV 1.x iterations: {how}")
+    text, _ = summarize(records, rows, len(bad_records), len(bad_lines))
     print(text)
-    out = args.out or os.path.join(args.work_dir, "nan_guard_report.png")
+    out = out or os.path.join(run.root, "nan_guard_report.png")
+    try:
+        import matplotlib  # noqa: F401 - only to know whether the plot can be drawn
+    except ImportError:
+        print("timeline: not drawn, matplotlib is not installed (pip install matplotlib, then run this again)")
+        return
     plot_timeline(rows, records, out)
     print(f"timeline: {out}")
+
+
+def main(args: Any) -> int:
+    """Entry point of ``petr-stability report`` (``args`` from :mod:`petr_stability.cli`)."""
+    runs = find_runs(args.work_dir)
+    if not runs:
+        raise FileNotFoundError(f"no {INCIDENT_FILE}, <timestamp>/vis_data/scalars.json or *.log.json under "
+                                f"{args.work_dir}")
+    if len(runs) > 1 and args.out:
+        raise ValueError(f"{args.work_dir} holds {len(runs)} runs ({', '.join(r.root for r in runs)}); -o names one "
+                         "PNG: give one run's work dir, or leave -o out to write each run's own")
+    if len(runs) > 1:
+        print(f"{args.work_dir} holds {len(runs)} runs; each is reported on its own")
+    for i, run in enumerate(runs):
+        if i:
+            print()
+        _report_run(run, args.out)
     return 0
