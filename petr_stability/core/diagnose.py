@@ -3,7 +3,9 @@
 Nothing here runs on a healthy step except :func:`capture_rng` (two host-side copies of RNG state). On a confirmed
 divergence :func:`diagnose` installs forward hooks on every module and gradient hooks on their inputs, outputs
 and parameters, re-runs the failing batch's forward (and, when that is finite, its backward), finds the first
-non-finite value in execution order, then removes every hook and puts the model back as it found it.
+non-finite value in execution order, then removes every hook and puts the model back as it found it. When that
+value is a module's fp16 output from finite inputs, a second, shorter re-run records that module's inputs and runs
+it alone in fp32 (``fp32_check``): the evidence that tells an fp16 forward overflow from everything else.
 """
 import contextlib
 import math
@@ -15,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["FP16_MAX", "capture_rng", "restore_rng", "total_loss", "diagnose", "diagnose_step", "summarize"]
+__all__ = ["FP16_MAX", "COMPARE", "capture_rng", "restore_rng", "total_loss", "diagnose", "diagnose_step",
+           "summarize"]
 
 #: Largest finite float16 value: an activation or a scaled gradient beyond it overflows to Inf in fp16.
 FP16_MAX = 65504.0
@@ -235,6 +238,104 @@ def _largest(checks: List[_Check], wheres: Tuple[str, ...], top: int) -> List[Di
              "over_fp16": c.value > FP16_MAX} for c in ranked[:top]]
 
 
+class _Found(BaseException):
+    """Ends the fp32 check's re-run at the offending output. Not an ``Exception``: a forward's own
+    ``except Exception`` must not swallow it."""
+
+
+def _max_abs(obj: Any) -> float:
+    """max |x| over every floating tensor in ``obj`` (NaN when any is NaN); one host read."""
+    values = [t.detach().abs().amax().float().cpu() for t in _tensors(obj)]
+    return float(torch.stack(values).max()) if values else 0.0
+
+
+def _fp32_check(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[Mapping[str, Any]],
+                target_name: str) -> Dict[str, Any]:
+    """Re-runs the batch up to the first non-finite output of ``target_name``, then that module alone in fp32.
+
+    The re-run records, for every module call on the way in, its inputs and the RNG state just before it, and stops
+    when the target returns its non-finite output. Then the target, and if need be each enclosing call from the
+    inside out (never the model itself: that is fp32 training), runs alone under :func:`~.causes.force_fp32` on
+    those inputs (so its dropout draws the same masks). The first one whose inputs were finite and within fp16
+    range and whose fp32 output is finite and within fp16 range is ``fixed_by``: running it in fp32 removes the
+    overflow without moving it downstream (an output past 65504 would overflow again where the next fp16 op casts
+    it down).
+    """
+    from .causes import force_fp32, release_fp32  # causes imports FP16_MAX from this module
+
+    t0 = time.perf_counter()
+    names: Dict[nn.Module, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(module, name or "(model)")
+    target = model if target_name == "(model)" else model.get_submodule(target_name)
+    result: Dict[str, Any] = {"module": target_name, "type": type(target).__name__}
+    stack: List[Tuple[nn.Module, Any, Any, Dict[str, Any]]] = []
+    path: List[Tuple[nn.Module, Any, Any, Dict[str, Any]]] = []
+    handles = []
+
+    def pre(module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        stack.append((module, args, kwargs, capture_rng()))
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        entry = stack.pop() if stack else None
+        if module is target and entry is not None and not path and not math.isfinite(_max_abs(output)):
+            path.extend([entry] + stack[::-1])  # the target, then its enclosing calls from the inside out
+            raise _Found()
+
+    for module in names:
+        try:
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        except TypeError:  # torch < 2.0: keyword arguments are not seen (such a call is re-run without them)
+            handles.append(module.register_forward_pre_hook(lambda m, a: pre(m, a, None)))
+        handles.append(module.register_forward_hook(post))
+    try:
+        if rng_state is not None:
+            restore_rng(rng_state)
+        with torch.enable_grad(), _rank_local():
+            try:
+                forward()
+            except _Found:
+                pass
+    except Exception as exc:  # the check is evidence, never a reason for the diagnosis to fail
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    result["reproduced"] = bool(path)
+    tried: List[Dict[str, Any]] = []
+    fixed_by = None
+    for module, args, kwargs, rng in path:
+        if module is model:
+            break
+        inputs = _max_abs((args, kwargs))
+        entry: Dict[str, Any] = {"module": names.get(module, "?"), "type": type(module).__name__,
+                                 "inputs_max_abs": _num(inputs),
+                                 "inputs_within_fp16": math.isfinite(inputs) and inputs <= FP16_MAX}
+        try:
+            change = force_fp32(module)
+            try:
+                restore_rng(rng)
+                with torch.no_grad(), _rank_local():
+                    out = module(*args, **(kwargs or {}))
+            finally:
+                if change is not None:
+                    release_fp32(module)
+            value = _max_abs(out)
+            entry.update(finite=math.isfinite(value), max_abs=_num(value),
+                         within_fp16=math.isfinite(value) and value <= FP16_MAX)
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        tried.append(entry)
+        if entry["inputs_within_fp16"] and entry.get("within_fp16"):
+            fixed_by = entry
+            break
+    result["tried"] = tried
+    result["fixed_by"] = fixed_by["module"] if fixed_by else None
+    result["max_abs"] = fixed_by["max_abs"] if fixed_by else None
+    result["seconds"] = round(time.perf_counter() - t0, 4)
+    return result
+
+
 def _nonfinite_params(model: nn.Module) -> List[str]:
     named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.numel()]
     if not named:
@@ -271,7 +372,7 @@ class _ModelState:
 
 def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[Mapping[str, Any]] = None,
              loss_scale: float = 1.0, weights: Optional[Mapping[str, torch.Tensor]] = None, backward: bool = True,
-             top: int = 8) -> Dict[str, Any]:
+             top: int = 8, fp32_check: bool = True) -> Dict[str, Any]:
     """Re-runs one forward (and backward) with hooks on every module and reports where NaN/Inf first appeared.
 
     Args:
@@ -285,12 +386,17 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
             already non-finite); the live ones are put back afterwards. Defaults to None.
         backward: run the backward when the forward is finite. Defaults to True.
         top: how many modules to list by magnitude. Defaults to 8.
+        fp32_check: when the first non-finite value is a module's half-precision forward output (its inputs and
+            parameters finite), re-run that module alone in fp32 on its recorded inputs (``fp32_check`` in the
+            report, see :func:`_fp32_check`). Defaults to True.
 
     Returns:
         A JSON-ready report: ``first`` (module, type, where, detail, phase, value, why) or None when the re-run
         stays finite (``reproduced`` False), ``forward_finite``, ``backward``, ``loss``, ``over_fp16`` (modules
         whose output passed 65504, in execution order), ``largest_outputs`` / ``largest_grads`` (max |x| per
-        module), ``nonfinite_parameters``, ``modules``, ``seconds``. Every hook is removed and the model's modes,
+        module), ``nonfinite_parameters``, ``modules``, ``seconds``, and ``fp32_check`` when it ran (``module``,
+        ``reproduced``, ``tried``: per module its inputs' and fp32 output's max |x|, ``fixed_by``: the module
+        whose fp32 run is finite and within fp16 range, or None). Every hook is removed and the model's modes,
         gradients, buffers and weights are restored, also when ``forward`` raises.
     """
     t0 = time.perf_counter()
@@ -330,6 +436,10 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
                 first = rec.first_nonfinite("backward")
                 report["backward"] = "run"
             del loss
+        if (fp32_check and first is not None and first.phase == "forward" and first.where == "output"
+                and first.dtype in ("float16", "bfloat16")):
+            rec.remove()
+            report["fp32_check"] = _fp32_check(model, forward, rng_state, first.module)
     finally:
         rec.remove()
         state.restore()
@@ -346,6 +456,7 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
                                "why": f"holds a non-finite parameter, read directly by {first.module} "
                                       "(its own forward never ran)"}
             first = None
+            report.pop("fp32_check", None)  # the output was non-finite because of that parameter
     if first is not None:
         report["first"] = {"module": first.module, "type": first.kind, "where": first.where, "detail": first.detail,
                            "phase": first.phase, "value": _num(first.value), "dtype": first.dtype,
@@ -368,14 +479,19 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
     return report
 
 
+#: When :func:`diagnose_step` re-runs the batch on the healthy weights too.
+COMPARE = ("weights", "reproduced", "always")
+
+
 def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[Mapping[str, Any]] = None,
                   loss_scale: float = 1.0, healthy_weights: Optional[Mapping[str, torch.Tensor]] = None,
-                  healthy_from: str = "") -> Dict[str, Any]:
+                  healthy_from: str = "", compare: str = "weights", fp32_check: bool = True) -> Dict[str, Any]:
     """:func:`diagnose` on the live weights, then, if those are already non-finite, once more on healthy ones.
 
     Live non-finite weights name the module that holds them, but not what put NaN there; a second re-run of the
     same batch on the last healthy weights tells whether this batch breaks healthy weights too
-    (``on_healthy_weights``).
+    (``on_healthy_weights``): the data-versus-dynamics evidence of :func:`~.causes.classify`, which wants it
+    also when the live weights are still finite (``compare='reproduced'``).
 
     Args:
         model: the unwrapped model.
@@ -384,19 +500,33 @@ def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optio
         loss_scale: as for :func:`diagnose`. Defaults to 1.0.
         healthy_weights: the last healthy state dict (a confirmed snapshot's). Defaults to None.
         healthy_from: where those weights come from, for the report. Defaults to "".
+        compare: when to re-run on the healthy weights: ``'weights'`` (the live weights are non-finite),
+            ``'reproduced'`` (that, or the live re-run reproduces the fault), ``'always'``. Defaults to
+            ``'weights'``.
+        fp32_check: as for :func:`diagnose`, on both re-runs. Defaults to True.
 
     Returns:
         The :func:`diagnose` report, with ``on_healthy_weights`` when the second re-run happened.
+
+    Raises:
+        ValueError: ``compare`` is not one of :data:`COMPARE`.
     """
-    report = diagnose(model, forward, rng_state=rng_state, loss_scale=loss_scale)
-    if report["nonfinite_parameters"] and healthy_weights is not None:
-        again = diagnose(model, forward, rng_state=rng_state, loss_scale=loss_scale, weights=healthy_weights)
+    if compare not in COMPARE:
+        raise ValueError(f"compare must be one of {list(COMPARE)}, got {compare!r}")
+    report = diagnose(model, forward, rng_state=rng_state, loss_scale=loss_scale, fp32_check=fp32_check)
+    wanted = (bool(report["nonfinite_parameters"]) or compare == "always"
+              or (compare == "reproduced" and report["reproduced"]))
+    if wanted and healthy_weights is not None:
+        again = diagnose(model, forward, rng_state=rng_state, loss_scale=loss_scale, weights=healthy_weights,
+                         fp32_check=fp32_check)
         report["on_healthy_weights"] = {
             "weights": healthy_from,
             "reproduced": again["reproduced"],
             "first": again["first"],
+            "forward_finite": again["forward_finite"],
             "over_fp16": again["over_fp16"],
             "backward": again["backward"],
+            "fp32_check": again.get("fp32_check"),
             "seconds": again["seconds"],
         }
     return report
@@ -418,6 +548,11 @@ def summarize(report: Mapping[str, Any]) -> str:
         line += f"; output past fp16 range ({FP16_MAX:g}) in {', '.join(report['over_fp16'][:3])}"
     if report.get("nonfinite_parameters"):
         line += f"; non-finite parameters: {', '.join(report['nonfinite_parameters'][:3])}"
+    check = report.get("fp32_check")
+    if check and check.get("fixed_by"):
+        line += f"; re-run alone in fp32, {check['fixed_by']} is finite: an fp16 forward overflow"
+    elif check and check.get("tried"):
+        line += f"; re-run alone in fp32, {check['module']} does not come back within fp16 range"
     healthy = report.get("on_healthy_weights")
     if healthy:
         where = healthy["first"]["module"] if healthy["first"] else None

@@ -242,7 +242,7 @@ class DiagIO(FakeIO):
         self.opt.step()
         self.last_loss = float(loss)
 
-    def rerun_forward(self):
+    def rerun_forward(self, batch=None):  # the guard under restructuring passes the batch it kept
         def forward():
             if self.raises:
                 raise RuntimeError("the re-run failed")
@@ -293,3 +293,128 @@ def test_diagnose_can_be_switched_off(tmp_path):
 def test_config_rejects_a_non_bool():
     with pytest.raises(TypeError, match="diagnose must be a bool, got 'yes'"):
         GuardConfig(diagnose="yes")
+
+
+# ---------------------------------------------------------------------- the fp32 check
+class Scores(nn.Module):
+    """Dot products past 65504 in fp16 (32 dims * 50 * 50 = 80000), normalised after: fine in fp32."""
+
+    def forward(self, q, k):
+        scores = q @ k.transpose(-1, -2)
+        return scores / scores.sum(-1, keepdim=True)
+
+
+class AttnOverflow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.attn = Scores()
+        self.out = nn.Linear(64, 1)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(32))
+            self.proj.bias.zero_()
+
+    def forward(self, x):
+        h = self.proj(x)
+        return {"loss": self.out(self.attn(q=h, k=h)).float().mean()}  # keyword inputs are recorded too
+
+
+def fp16(model, x):
+    def forward():
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(x)
+    return forward
+
+
+def test_fp32_check_names_the_module_that_fp32_fixes():
+    model = AttnOverflow()
+    report = diagnose(model, fp16(model, torch.full((1, 64, 32), 50.0)))
+    assert (report["first"]["module"], report["first"]["where"], report["first"]["dtype"]) == \
+        ("attn", "output", "float16")
+    check = report["fp32_check"]
+    assert check["reproduced"] and check["fixed_by"] == "attn" and check["module"] == "attn"
+    (tried,) = check["tried"]
+    assert tried["inputs_within_fp16"] and tried["inputs_max_abs"] == 50.0
+    assert tried["finite"] and 0 < tried["max_abs"] <= FP16_MAX and check["max_abs"] == tried["max_abs"]
+    assert "fp16 forward overflow" in summarize(report)
+    no_hooks(model)
+    assert "forward" not in model.attn.__dict__  # force_fp32 was undone
+    assert diagnose(model, fp16(model, torch.full((1, 64, 32), 1.0)))["first"] is None
+
+
+class Amplify(nn.Module):
+    """x1000, then normalised by the parent: the leaf's fp32 output is still past fp16 range."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            self.big.weight.copy_(1000 * torch.eye(8))
+
+    def forward(self, x):
+        h = self.big(x)
+        return h / h.abs().amax(-1, keepdim=True)
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Amplify()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.block(x)).float().sum()
+
+
+def test_fp32_check_walks_out_to_the_enclosing_module_that_contains_the_overflow():
+    model = Nested()
+    report = diagnose(model, fp16(model, torch.full((2, 8), 100.0)))  # 100 * 1000 = 1e5 > 65504
+    check = report["fp32_check"]
+    assert report["first"]["module"] == "block.big" and check["module"] == "block.big"
+    big, block = check["tried"]
+    assert big["module"] == "block.big" and big["finite"] and not big["within_fp16"] and big["max_abs"] == 1e5
+    assert block["module"] == "block" and block["within_fp16"] and check["fixed_by"] == "block"
+
+
+def test_fp32_check_refuses_inputs_already_past_fp16_and_outputs_it_cannot_contain():
+    model = Nested()
+    with torch.no_grad():
+        model.block.big.weight.copy_(torch.eye(8))
+    report = diagnose(model, fp16(model, torch.full((2, 8), 1e6)))  # the batch itself is past fp16 range
+    check = report["fp32_check"]
+    assert report["first"]["module"] == "block.big"
+    assert [t["inputs_within_fp16"] for t in check["tried"]] == [False, False] and check["fixed_by"] is None
+    assert "does not come back within fp16 range" in summarize(report)
+    # The dropout case: x10 by the dropout itself is the value past 65504; no module below the model contains it.
+    model, x = Overflow(), torch.full((1, 16), 1.1)
+    bad = next(s for s in range(100) if overflows(model, x, s))
+    torch.manual_seed(bad)
+    state = capture_rng()
+    check = diagnose(model, fp16(model, x), rng_state=state)["fp32_check"]
+    assert [t["module"] for t in check["tried"]] == ["drop"] and check["fixed_by"] is None
+    assert check["tried"][0]["finite"] and not check["tried"][0]["within_fp16"]  # same dropout mask as the step
+
+
+def test_fp32_check_only_for_half_outputs_and_can_be_switched_off():
+    model = Nested()
+    assert "fp32_check" not in diagnose(model, fp16(model, torch.full((2, 8), 100.0)), fp32_check=False)
+    with torch.no_grad():
+        model.head.bias.fill_(math.inf)  # a float32 output going non-finite: nothing for fp32 to fix
+    report = diagnose(model, lambda: model(torch.ones(2, 8)))
+    assert report["first"]["where"] == "parameter" and "fp32_check" not in report
+
+
+def test_diagnose_step_compares_on_reproduced_faults_when_asked():
+    model = AttnOverflow()
+    healthy = {k: v.clone() for k, v in model.state_dict().items()}
+    forward = fp16(model, torch.full((1, 64, 32), 50.0))
+    assert "on_healthy_weights" not in diagnose_step(model, forward, healthy_weights=healthy)
+    report = diagnose_step(model, forward, healthy_weights=healthy, healthy_from="snapshot", compare="reproduced")
+    again = report["on_healthy_weights"]
+    assert again["reproduced"] and again["fp32_check"]["fixed_by"] == "attn" and again["forward_finite"] is False
+    fine = diagnose_step(model, fp16(model, torch.ones(1, 64, 32)), healthy_weights=healthy, compare="reproduced")
+    assert "on_healthy_weights" not in fine
+    assert "on_healthy_weights" in diagnose_step(model, fp16(model, torch.ones(1, 64, 32)), healthy_weights=healthy,
+                                                 compare="always")
+    with pytest.raises(ValueError, match="compare must be one of .* got 'sometimes'"):
+        diagnose_step(model, forward, compare="sometimes")
