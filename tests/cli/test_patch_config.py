@@ -111,6 +111,8 @@ def test_value_clip_left_alone():
 
 
 def test_output_loads_with_mmengine_from_another_directory(tmp_path):
+    if not HAS_MMENGINE:
+        pytest.skip("mmengine is not installed")
     out = _patch_elsewhere(tmp_path, "mmengine_petr.py")
     moved = tmp_path / "moved.py"
     shutil.move(out, moved)
@@ -316,3 +318,19 @@ def test_hidden_transformer_is_a_note(tmp_path):
     result = write_patched_config(cfg, str(tmp_path / "p.py"), max_norm=0.5)
     assert [str(c) for c in result.changes] == ["optimizer_config.grad_clip.max_norm: 35 -> 0.5"]
     assert any("no transformer found" in n for n in result.notes)
+
+
+def test_runner_config_objects_are_accepted(tmp_path):
+    """What a hook holds: MMEngine's ``Config`` (runner.cfg) or MMCV 1.x's ``mmcv.Config``."""
+    try:
+        from mmengine.config import Config
+    except ImportError:
+        from mmcv import Config
+    original = os.path.join(DATA, "mmcv1_drill.py")
+    cfg = Config.fromfile(original)
+    cfg.merge_from_dict({"data.samples_per_gpu": 2})  # as --cfg-options does
+    result = write_patched_config(cfg, str(tmp_path / "p.py"), original_path=original)
+    assert result.kind == "child"
+    loaded = load_config(str(tmp_path / "p.py"))
+    assert loaded["data"]["samples_per_gpu"] == 2
+    assert loaded["custom_hooks"] == [dict(type="NanGuardHook")]
