@@ -190,3 +190,19 @@ def test_resolve_indices_maps_ids_to_every_dataset_index_that_serves_them():
     assert resolve_indices(CBGS(Infos()), [{"sample_idx": "t1"}]) == [1, 2, 5]  # every repeat of the sample
     assert resolve_indices(Serialized(), [{"sample_idx": 101}, {"token": "m2"}, {"token": "gone"}]) == [1, 2]
     assert resolve_indices(None, [{"index": 4}, {"index": 4}]) == [4]
+
+
+def test_mmengine_default_and_infinite_samplers():
+    samplers = pytest.importorskip("mmengine.dataset.sampler")
+    data = list(range(12))
+    default = QuarantineSampler(samplers.DefaultSampler(data, shuffle=True, seed=5), {4, 7})
+    default.set_epoch(2)  # what MMEngine's loops call: reaches the wrapped sampler
+    plain = samplers.DefaultSampler(data, shuffle=True, seed=5)
+    plain.set_epoch(2)
+    assert default.epoch == 2 and len(default) == len(plain) == 12
+    got, want = list(default), list(plain)
+    assert not {4, 7} & set(got)
+    assert [i for i, (g, w) in enumerate(zip(got, want)) if g != w] == sorted([want.index(4), want.index(7)])
+    infinite = QuarantineSampler(samplers.InfiniteSampler(data, shuffle=False), {0, 5})
+    it = iter(infinite)
+    assert [next(it) for _ in range(14)] == [1, 1, 2, 3, 4, 4, 6, 7, 8, 9, 10, 11, 11, 1]
