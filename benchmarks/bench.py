@@ -30,7 +30,8 @@ from petr_stability.adapters.torch_loop import TorchLoopIO
 from petr_stability.core.flags import make_grad_scaler
 from petr_stability.core.guard import GuardConfig, NanGuard
 from petr_stability.core.health import all_finite, iter_tensors, model_tensors, optimizer_tensors
-from petr_stability.core.snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host, payload_nbytes
+from petr_stability.core.snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
+from petr_stability.core.tree import nbytes as payload_nbytes
 from petr_stability.testing.reads import cuda_syncs as record_syncs
 
 SIZES = {

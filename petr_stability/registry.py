@@ -1,12 +1,22 @@
-"""Registers the hooks with whichever runner family is installed (MMEngine first, else MMCV 1.x)."""
-from typing import Any, Optional
+"""Registers the hooks with every runner family that is installed: MMEngine's ``HOOKS`` and MMCV 1.x's.
 
-__all__ = ["NanGuardHook", "FaultInjectionHook", "RUNNER_FAMILY"]
+Many PETR environments hold both (mmdet3d 0.x on mmcv-full 1.x, plus mmengine pulled in by another tool). Each
+family is imported only where its own import works, and one family failing to import never hides the other:
+the reason is kept in :data:`IMPORT_ERRORS`.
+"""
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+__all__ = ["NanGuardHook", "FaultInjectionHook", "RUNNER_FAMILY", "RUNNER_FAMILIES", "IMPORT_ERRORS"]
 
 NanGuardHook: Optional[Any] = None
 FaultInjectionHook: Optional[Any] = None
-#: ``'mmengine'``, ``'mmcv1'`` or None (core only).
+#: The families the hooks are registered with, MMEngine first.
+RUNNER_FAMILIES: Tuple[str, ...] = ()
+#: ``'mmengine'``, ``'mmcv1'`` or None (core only): the family whose hooks :data:`NanGuardHook` names.
 RUNNER_FAMILY: Optional[str] = None
+#: Why an installed family could not be registered (family -> error text).
+IMPORT_ERRORS: Dict[str, str] = {}
 
 
 def _mmcv_major() -> Optional[int]:
@@ -17,26 +27,50 @@ def _mmcv_major() -> Optional[int]:
     return int(str(getattr(mmcv, "__version__", "0")).split(".")[0] or 0)
 
 
-try:
-    import mmengine  # noqa: F401
-except ImportError:
-    mmengine = None
-
-if mmengine is not None:
+def _register_mmengine() -> Tuple[Any, Any]:
     from mmengine.registry import HOOKS
 
-    from .adapters.mmengine_faults import FaultInjectionHook
-    from .adapters.mmengine_hook import NanGuardHook
+    from .adapters.mmengine_faults import FaultInjectionHook as Faults
+    from .adapters.mmengine_hook import NanGuardHook as Guard
 
-    HOOKS.register_module(module=NanGuardHook, force=True)
-    HOOKS.register_module(module=FaultInjectionHook, force=True)
-    RUNNER_FAMILY = "mmengine"
-elif _mmcv_major() == 1:
+    HOOKS.register_module(module=Guard, force=True)
+    HOOKS.register_module(module=Faults, force=True)
+    return Guard, Faults
+
+
+def _register_mmcv1() -> Tuple[Any, Any]:
     from mmcv.runner import HOOKS
 
-    from .adapters.mmcv1_faults import FaultInjectionHook
-    from .adapters.mmcv1_hook import NanGuardHook
+    from .adapters.mmcv1_faults import FaultInjectionHook as Faults
+    from .adapters.mmcv1_hook import NanGuardHook as Guard
 
-    HOOKS.register_module(module=NanGuardHook, force=True)
-    HOOKS.register_module(module=FaultInjectionHook, force=True)
-    RUNNER_FAMILY = "mmcv1"
+    HOOKS.register_module(module=Guard, force=True)
+    HOOKS.register_module(module=Faults, force=True)
+    return Guard, Faults
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+_families = []
+if _installed("mmengine"):
+    _families.append(("mmengine", _register_mmengine))
+if _installed("mmcv") and _mmcv_major() == 1:
+    _families.append(("mmcv1", _register_mmcv1))
+for _index, (_family, _register) in enumerate(_families):
+    try:
+        _guard, _faults = _register()
+    except Exception as _exc:
+        if not RUNNER_FAMILIES and _index == len(_families) - 1:
+            raise  # nothing could be registered: a broken install fails loudly here
+        # A broken family must not hide the other; the reason is said once and stays inspectable.
+        IMPORT_ERRORS[_family] = f"{type(_exc).__name__}: {_exc}"
+        warnings.warn(f"petr_stability: hooks not registered with {_family}: {IMPORT_ERRORS[_family]}",
+                      RuntimeWarning, stacklevel=2)
+        continue
+    RUNNER_FAMILIES += (_family,)
+    if NanGuardHook is None:
+        NanGuardHook, FaultInjectionHook, RUNNER_FAMILY = _guard, _faults, _family

@@ -1,9 +1,9 @@
 """NanGuardHook for MMCV 1.x runners (mmdet / mmdet3d 0.x: the original PETR and StreamPETR stack).
 
-Lifecycle points used: ``before_run`` (build the guard, load its state from ``runner.meta``, install the clip
-probe, re-apply resumed remedies), ``before_train_iter`` (mark the iteration in ``runner.meta`` so that a saved
-checkpoint says where it was written), ``after_train_iter`` (detect, snapshot, recover, repair checkpoints),
-``after_train_epoch`` (one cross-rank health check per epoch, after the epoch's checkpoint).
+The hook forwards its lifecycle points to :class:`~petr_stability.adapters.driver.GuardDriver`: ``before_run``
+(bind, the guard's state from ``runner.meta``, start), ``before_train_iter`` (also marks the iteration in
+``runner.meta`` so that a saved checkpoint says where it was written), ``after_train_iter``, ``after_train_epoch``
+(one cross-rank health check per epoch, after the epoch's checkpoint).
 
 MMCV 1.x facts this adapter handles (``docs``: RUNNER-INTERNALS, "MMCV 1.x"):
 
@@ -30,20 +30,18 @@ from mmcv.parallel import is_module_wrapper
 from mmcv.runner import CheckpointHook, Hook, IterBasedRunner, OptimizerHook
 from mmcv.runner import save_checkpoint as mmcv_save_checkpoint
 
-from ..core.diagnose import capture_rng
 from ..core.distributed import get_rank
-from ..core.errors import NanGuardError
-from ..core.guard import GuardConfig, GuardIO, NanGuard
-from ..core.health import all_finite, iter_tensors, state_finite
+from ..core.guard import GuardConfig, NanGuard, checkpoint_finite
+from ..core.health import state_finite
+from ..core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
 from ..core.remedies import Change, ClipProbe, observing_clip
 from ..core.safe_load import safe_load
 from ..core.snapshot import copy_to_host
+from .driver import STATE_KEY, GuardDriver
 
-__all__ = ["NanGuardHook", "MMCV1IO", "STATE_KEY"]
+__all__ = ["NanGuardHook", "MMCV1IO", "completed_iters"]
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
-#: Key of the hook's state in ``runner.meta`` (saved in every checkpoint, as ``runner.meta['fp16']`` is).
-STATE_KEY = "nan_guard"
 #: Iteration counter at ``before_train_iter``, kept in the state so that a checkpoint tells an in-iteration
 #: save (``meta['iter']`` is that iteration's 0-based counter) from an epoch-end save (already incremented).
 _ITER_MARK = "iter_open"
@@ -52,16 +50,12 @@ _ITER_MARK = "iter_open"
 class MMCV1IO(GuardIO):
     """Where an MMCV 1.x runner keeps what the guard reads and changes."""
 
-    def __init__(self, runner: Any, skip_nonfinite_fp32: bool = True) -> None:
+    def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.skip_nonfinite_fp32 = skip_nonfinite_fp32
         self.opt_hook: Optional[Any] = next((h for h in runner.hooks if isinstance(h, OptimizerHook)), None)
         self.ckpt_hooks = [h for h in runner.hooks if isinstance(h, CheckpointHook)]
         self.work_dir = runner.work_dir
         self.probe: Optional[ClipProbe] = None
-        #: Added to a restored counter: 1 when restoring after the loop's own ``_iter += 1`` (epoch end).
-        self.restore_offset = 0
-        self.rng: Optional[Dict[str, Any]] = None
         #: Checkpoint files written (rank 0) from a non-finite state and not yet repaired.
         self.poisoned_saves: List[str] = []
         self._suspended_keep: List[Tuple[Any, int]] = []
@@ -83,7 +77,7 @@ class MMCV1IO(GuardIO):
         return self.opt_hook is not None and hasattr(self.opt_hook, "loss_scaler") and hasattr(
             self.opt_hook, "_scale_update_param")
 
-    def install_probe(self) -> None:
+    def install_probes(self, skip_nonfinite_fp32: bool) -> None:
         """Makes every optimizer step visible: an observing clip where none is configured, then the probe."""
         hook = self.opt_hook
         if hook is None:
@@ -94,27 +88,24 @@ class MMCV1IO(GuardIO):
             self.log("NanGuard: optimizer_config had no grad_clip; installed an observing clip (max_norm=inf) "
                      "so that grad_norm is computed")
         if not isinstance(hook.clip_grads, ClipProbe):
-            hook.clip_grads = ClipProbe(hook.clip_grads, skip_nonfinite=self.skip_nonfinite_fp32 and not self._fp16())
+            hook.clip_grads = ClipProbe(hook.clip_grads, skip_nonfinite=skip_nonfinite_fp32 and not self._fp16())
         self.probe = hook.clip_grads
 
     # -- signals
     def _norm_history(self) -> List[float]:
         return self.runner.log_buffer.val_history.get("grad_norm") or []
 
-    def mark_iter_start(self) -> None:
-        """Called as each iteration starts, to know whether the OptimizerHook logs a grad_norm during it."""
-        self._logged_norms = len(self._norm_history())
-
-    def read_step(self) -> Tuple[bool, Optional[float], bool]:
+    def read_step(self) -> StepReading:
         if self.probe is None:
-            return False, None, False
+            return StepReading(False, loss=self._loss())
         # The OptimizerHook logs float(grad_norm) right after the clip: when exactly one norm was logged during
         # this iteration, it is this step's, and reusing it saves a second device read on CUDA.
         history = self._norm_history()
         logged = history[-1] if len(history) == self._logged_norms + 1 else None
-        return self.probe.read(logged if self.probe.stepped else None)
+        stepped, norm, skipped = self.probe.read(logged if self.probe.stepped else None)
+        return StepReading(stepped, norm, skipped, self._loss())
 
-    def loss(self) -> Optional[float]:
+    def _loss(self) -> Optional[float]:
         outputs = getattr(self.runner, "outputs", None) or {}
         log_vars = outputs.get("log_vars") or {}
         if "loss" in log_vars:
@@ -122,18 +113,28 @@ class MMCV1IO(GuardIO):
         history = self.runner.log_buffer.val_history.get("loss")
         return float(history[-1]) if history else None
 
-    def scaler(self) -> Tuple[Any, str]:
-        if self._fp16():
-            return self.opt_hook.loss_scaler, "dynamic" if self.opt_hook._scale_update_param is None else "static"
-        return None, "none"
+    def scale_mode(self) -> str:
+        if not self._fp16():
+            return "none"
+        return "dynamic" if self.opt_hook._scale_update_param is None else "static"
 
-    def clip_settings(self) -> List[Tuple[str, Dict[str, Any]]]:
-        if self.opt_hook is None or not self.opt_hook.grad_clip:
+    def loss_scale(self) -> Optional[float]:
+        if not self._fp16():
+            return None
+        scaler = self.opt_hook.loss_scaler
+        get_scale = getattr(scaler, "get_scale", None)  # torch GradScaler; mmcv's own LossScaler has loss_scale
+        return float(get_scale()) if get_scale is not None else float(scaler.loss_scale)
+
+    def clip_settings(self) -> List[ClipSetting]:
+        if self.opt_hook is None:
             return []
-        return [("optimizer_config.grad_clip.max_norm", self.opt_hook.grad_clip)]
+        return [ClipSetting("optimizer_config.grad_clip.max_norm", self.opt_hook.grad_clip or None)]
 
-    def counters(self) -> Tuple[int, int]:
+    def counter(self) -> Tuple[int, int]:
         return self.runner.iter, self.runner.epoch
+
+    def set_counter(self, value: int) -> None:
+        self.runner._iter = value
 
     # -- state
     def _optim_state(self) -> Dict[str, Any]:
@@ -141,7 +142,6 @@ class MMCV1IO(GuardIO):
 
     def capture(self) -> Dict[str, Any]:
         payload = {
-            "meta": {"iter": self.runner.iter, "epoch": self.runner.epoch},
             "state_dict": self.model().state_dict(),
             "optimizer": self._optim_state(),
         }
@@ -149,9 +149,9 @@ class MMCV1IO(GuardIO):
             payload["fp16"] = {"loss_scaler": self.opt_hook.loss_scaler.state_dict()}
         return payload
 
-    def restore(self, payload: Dict[str, Any]) -> None:
-        model = self.model()
-        model.load_state_dict(payload["state_dict"], strict=not payload["meta"].get("from_disk", False))
+    def restore(self, payload: Payload) -> None:
+        model, strict, payload = self.model(), payload.strict, payload.state
+        model.load_state_dict(payload["state_dict"], strict=strict)
         on_cpu = next(model.parameters()).device.type == "cpu"
         for key, opt in self._optimizers().items():
             state = payload["optimizer"].get(key) if key else payload["optimizer"].get("", payload["optimizer"])
@@ -171,10 +171,9 @@ class MMCV1IO(GuardIO):
             # MMCV restores the scaler from runner.meta in before_run only.
             self.opt_hook.loss_scaler.load_state_dict(dict(scaler_state))
             self.runner.meta.setdefault("fp16", {})["loss_scaler"] = self.opt_hook.loss_scaler.state_dict()
-        self.runner._iter = int(payload["meta"]["iter"]) + self.restore_offset
 
     # -- diagnosis
-    def rerun_forward(self) -> Optional[Callable[[], Any]]:
+    def rerun_forward(self, batch: Any) -> Optional[Callable[[], Any]]:
         data = getattr(self.runner, "data_batch", None)  # MMCV keeps it until after after_train_iter
         if data is None:
             return None
@@ -191,24 +190,21 @@ class MMCV1IO(GuardIO):
 
         return forward
 
-    def rerun_rng_state(self) -> Optional[Dict[str, Any]]:
-        return self.rng
-
-    def checkpoint_candidates(self) -> List[str]:
+    def checkpoint_files(self) -> List[str]:
         dirs = {self.work_dir} | {h.out_dir for h in self.ckpt_hooks if getattr(h, "out_dir", None)}
         paths = [p for d in dirs if d for p in glob.glob(os.path.join(d, "*.pth")) if not os.path.islink(p)]
         return sorted(set(paths), key=os.path.getmtime, reverse=True)
 
-    def load_payload(self, path: str) -> Dict[str, Any]:
+    def read_checkpoint(self, path: str) -> Tuple[Payload, Optional[Dict[str, Any]]]:
         # MMCV 1.x meta holds only builtins (strings, numbers, dicts, lists, tuples): no extra globals.
         ckpt = safe_load(path, extra_globals=())
         meta = ckpt.get("meta", {})
-        ckpt["meta"] = {"iter": completed_iters(meta, self.runner) - 1, "epoch": int(meta.get("epoch", 0)),
-                        "from_disk": True}
         optimizer = ckpt.get("optimizer", {})
         ckpt["optimizer"] = {"": optimizer} if "param_groups" in optimizer else optimizer
         ckpt["fp16"] = meta.get("fp16", {})
-        return ckpt
+        payload = Payload(ckpt, completed_iters(meta, self.runner), int(meta.get("epoch", 0)), source=path,
+                          strict=False)
+        return payload, meta.get(STATE_KEY)
 
     def make_scale_dynamic(self) -> Optional[Change]:
         if self._fp16() and self.opt_hook._scale_update_param is not None:
@@ -217,8 +213,8 @@ class MMCV1IO(GuardIO):
             return Change("optimizer_config.loss_scale", old, "dynamic")
         return None
 
-    def restore_scale_mode(self, dynamic: bool) -> None:
-        if dynamic and self._fp16():
+    def restore_scale_mode(self) -> None:
+        if self._fp16():
             self.opt_hook._scale_update_param = None
 
     # -- checkpoints written by CheckpointHook (rank 0 only: its _save_checkpoint is master_only)
@@ -256,14 +252,15 @@ class MMCV1IO(GuardIO):
         files = [p for p in glob.glob(os.path.join(out_dir, "*.pth")) if not os.path.islink(p)]
         return [max(files, key=os.path.getmtime)] if files else []
 
-    def resume_keep(self) -> None:
+    def after_step(self) -> None:
         """Gives ``max_keep_ckpts`` back to the checkpoint hooks after a suspended deletion."""
         for hook, keep in self._suspended_keep:
             hook.max_keep_ckpts = keep
         self._suspended_keep = []
 
-    def repair_saves(self, state: Dict[str, Any], at_epoch_end: bool) -> None:
+    def after_recovery(self, state: Dict[str, Any], inside: bool) -> None:
         """Rewrites every poisoned checkpoint from the live (restored) state, atomically."""
+        at_epoch_end = not inside
         meta_base = dict(self.runner.meta or {})
         for path in self.poisoned_saves:
             meta = dict(meta_base)
@@ -276,7 +273,7 @@ class MMCV1IO(GuardIO):
             self.log(f"NanGuard: rewrote {path} from the restored state (iter {self.runner.iter})", "warning")
         self.poisoned_saves = []
 
-    def quarantine_saves(self) -> None:
+    def before_give_up(self) -> None:
         """On giving up: renames poisoned files and points ``latest.pth`` / ``last_ckpt`` at a finite one."""
         if get_rank() != 0:
             return  # rank 0 wrote the checkpoints; the others must not race it on the links (shared FS)
@@ -286,9 +283,9 @@ class MMCV1IO(GuardIO):
                 self.log(f"NanGuard: {path} holds a non-finite state; renamed to {path}.nonfinite", "error")
         self.poisoned_saves = []
         good = None
-        for path in self.checkpoint_candidates():
+        for path in self.checkpoint_files():
             try:
-                if all_finite(iter_tensors(safe_load(path, extra_globals=()))):
+                if checkpoint_finite(safe_load(path, extra_globals=())):
                     good = path
                     break
             except Exception:  # a foreign or truncated file is simply not a candidate
@@ -306,8 +303,57 @@ class MMCV1IO(GuardIO):
             hook_msgs.pop("last_ckpt", None)
 
     # -- output
+    def store_state(self, state: Dict[str, Any]) -> None:
+        """Keeps the guard's state in ``runner.meta`` (saved in every checkpoint, as ``runner.meta['fp16']`` is)."""
+        if self.runner.meta is None:
+            self.runner.meta = {}
+        mark = (self.runner.meta.get(STATE_KEY) or {}).get(_ITER_MARK)
+        self.runner.meta[STATE_KEY] = dict(state, **{_ITER_MARK: mark})
+
+    def mark_iter_start(self) -> None:
+        """As each iteration starts: its counter into the stored state (a save tells an in-iteration save from an
+        epoch-end one), and the grad_norm log's length (did the OptimizerHook log one during it)."""
+        self.runner.meta[STATE_KEY][_ITER_MARK] = self.runner.iter
+        self._logged_norms = len(self._norm_history())
+
+    def resumed_state(self) -> Optional[Dict[str, Any]]:
+        """The guard's state of a resumed run: ``runner.meta``, or the checkpoint ``IterBasedRunner.resume`` read."""
+        state = (self.runner.meta or {}).get(STATE_KEY)
+        if state is None and self.runner.iter > 0:
+            state = self._state_of_resumed()
+        return state
+
+    def _state_of_resumed(self) -> Optional[Dict[str, Any]]:
+        # IterBasedRunner.resume keeps its own runner.meta: find the checkpoint it resumed from by its counters.
+        runner = self.runner
+        for path in self.checkpoint_files():
+            try:
+                meta = safe_load(path, extra_globals=()).get("meta", {})
+            except Exception:  # a foreign or truncated file is simply not the one
+                continue
+            if int(meta.get("iter", -1)) == runner.iter and int(meta.get("epoch", -1)) == runner.epoch:
+                scaler_state = (meta.get("fp16") or {}).get("loss_scaler")
+                if scaler_state is not None and self._fp16():
+                    self.opt_hook.loss_scaler.load_state_dict(scaler_state)
+                    runner.meta.setdefault("fp16", {})["loss_scaler"] = scaler_state
+                self.log(f"NanGuard: resumed guard state (and loss scale) from {path}, which "
+                         "IterBasedRunner.resume does not copy into runner.meta")
+                return meta.get(STATE_KEY)
+        return None
+
+    def run_config(self) -> Optional[RunConfig]:
+        # mmdet / mmdet3d 0.x tools/train.py put the effective config (overrides merged) into runner.meta and
+        # dump it into the work dir under the config's name: the next run can reach that file.
+        meta = self.runner.meta or {}
+        text = meta.get("config")
+        if not text:
+            return None
+        dumped = os.path.join(self.work_dir, str(meta.get("exp_name", ""))) if meta.get("exp_name") else None
+        return RunConfig(text, dumped if dumped and dumped.endswith(".py") else None)
+
     def log(self, msg: str, level: str = "info") -> None:
-        self.runner.logger.log(_LEVELS.get(level, logging.INFO), msg)
+        # stacklevel: the log line names the guard's function that wrote it, not this method.
+        self.runner.logger.log(_LEVELS.get(level, logging.INFO), msg, stacklevel=2)
 
     def update_scalars(self, scalars: Dict[str, float]) -> None:
         self.runner.log_buffer.update(dict(scalars))
@@ -337,83 +383,32 @@ class NanGuardHook(Hook):
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        self.config = GuardConfig(**kwargs)
+        self.driver = GuardDriver(GuardConfig(**kwargs))
         self.io: Optional[MMCV1IO] = None
-        self.guard: Optional[NanGuard] = None
 
-    def _store(self, runner: Any) -> Dict[str, Any]:
-        if runner.meta is None:
-            runner.meta = {}
-        state = self.guard.state_dict()
-        state[_ITER_MARK] = runner.meta.get(STATE_KEY, {}).get(_ITER_MARK)
-        runner.meta[STATE_KEY] = state
-        return state
+    @property
+    def config(self) -> GuardConfig:
+        return self.driver.config
+
+    @property
+    def guard(self) -> Optional[NanGuard]:
+        return self.driver.guard
 
     def before_run(self, runner: Any) -> None:
-        self.io = MMCV1IO(runner, self.config.skip_nonfinite_fp32)
-        self.guard = NanGuard(self.config, self.io)
-        state = (runner.meta or {}).get(STATE_KEY)
-        if state is None and runner.iter > 0:
-            state = self._state_of_resumed(runner)
-        if state:
-            self.guard.load_state_dict(state)
-        self.io.install_probe()
+        self.io = MMCV1IO(runner)
+        self.driver.bind(self.io)
+        self.driver.load_state(self.io.resumed_state())
         if get_rank() == 0:
             self.io.watch_saves()
-        self.guard.setup()
-        self._store(runner)
-
-    def _state_of_resumed(self, runner: Any) -> Optional[Dict[str, Any]]:
-        # IterBasedRunner.resume keeps its own runner.meta: find the checkpoint it resumed from by its counters.
-        for path in self.io.checkpoint_candidates():
-            try:
-                meta = safe_load(path, extra_globals=()).get("meta", {})
-            except Exception:  # a foreign or truncated file is simply not the one
-                continue
-            if int(meta.get("iter", -1)) == runner.iter and int(meta.get("epoch", -1)) == runner.epoch:
-                scaler_state = (meta.get("fp16") or {}).get("loss_scaler")
-                if scaler_state is not None and self.io._fp16():
-                    self.io.opt_hook.loss_scaler.load_state_dict(scaler_state)
-                    runner.meta.setdefault("fp16", {})["loss_scaler"] = scaler_state
-                self.io.log(f"NanGuard: resumed guard state (and loss scale) from {path}, which "
-                            "IterBasedRunner.resume does not copy into runner.meta")
-                return meta.get(STATE_KEY)
-        return None
+        self.driver.start()
 
     def before_train_iter(self, runner: Any) -> None:
-        runner.meta[STATE_KEY][_ITER_MARK] = runner.iter
         self.io.mark_iter_start()
-        if self.config.diagnose:
-            self.io.rng = capture_rng()  # host copies: the dropout masks of a re-run match the failing step
+        self.driver.before_iter(getattr(runner, "data_batch", None))
 
     def after_train_iter(self, runner: Any) -> None:
-        recoveries = self.guard.recoveries
-        try:
-            self.guard.after_iter()
-        except NanGuardError:
-            self.io.quarantine_saves()
-            raise
-        finally:
-            self.io.rng = None
-        state = self._store(runner)
-        if self.guard.recoveries > recoveries and self.io.poisoned_saves:
-            self.io.repair_saves(state, at_epoch_end=False)
-        self.io.resume_keep()
+        self.driver.after_iter()
 
     def after_train_epoch(self, runner: Any) -> None:
         # The epoch's checkpoint was written before this hook ran: one agreed health check per epoch.
-        healthy = not self.io.poisoned_saves and state_finite(self.io.model(), self.io.optimizers())
-        if not self.guard.all_ranks_healthy(healthy):
-            self.io.restore_offset = 1  # the loop has already counted the epoch's last iteration
-            try:
-                self.guard.recover_now("non-finite state at the end of the epoch")
-            except NanGuardError:
-                self.io.quarantine_saves()
-                raise
-            finally:
-                self.io.restore_offset = 0
-            state = self._store(runner)
-            if self.io.poisoned_saves:
-                self.io.repair_saves(state, at_epoch_end=True)
-        self._store(runner)
-        self.io.resume_keep()
+        self.driver.after_epoch(not self.io.poisoned_saves and state_finite(self.io.model(), self.io.optimizers()))

@@ -1,10 +1,9 @@
-"""NanGuardHook for MMEngine runners (plain MMEngine and mmdet3d 1.x scopes).
+"""NanGuardHook for MMEngine runners (plain MMEngine and mmdet3d 1.x scopes): where things live in an MMEngine runner.
 
-Lifecycle points used: ``before_run`` (build the guard; allow MMEngine's own resume under torch >= 2.6),
-``before_train`` (install the clip probe, re-apply resumed remedies), ``before_train_iter`` (keep the batch and
-the RNG state for a diagnosis: a reference and a host copy), ``after_train_iter`` (detect, snapshot, diagnose,
-recover), ``before_save_checkpoint`` / ``after_load_checkpoint`` (persist state; never save or load a
-non-finite checkpoint).
+The hook forwards its lifecycle points to :class:`~petr_stability.adapters.driver.GuardDriver`: ``before_run``
+(bind; allow MMEngine's own resume under torch >= 2.6 when the run resumes or loads), ``before_train`` (start),
+``before_train_iter`` / ``after_train_iter``, ``after_train_epoch``, ``before_save_checkpoint`` /
+``after_load_checkpoint``.
 """
 import copy
 import glob
@@ -15,39 +14,34 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from mmengine.hooks import CheckpointHook, EMAHook, Hook
-from mmengine.logging import print_log
+from mmengine.logging import MMLogger
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
 
-from ..core.diagnose import capture_rng
-from ..core.distributed import get_rank, is_distributed
-from ..core.errors import UnsafeCheckpointError
+from ..core.distributed import is_distributed
 from ..core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
-from ..core.guard import GuardConfig, GuardIO, NanGuard
-from ..core.health import all_finite, iter_tensors
+from ..core.guard import GuardConfig, NanGuard
+from ..core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
 from ..core.remedies import Change, ClipProbe, observing_clip
 from ..core.safe_load import MMENGINE_CHECKPOINT_GLOBALS, resolve_globals, safe_load
 from ..core.snapshot import copy_to_host, load_optimizer_state
-from .common import write_config_fix
+from ..core.validate import check_bool
+from .driver import STATE_KEY, GuardDriver
 
-__all__ = ["NanGuardHook", "MMEngineIO"]
+__all__ = ["NanGuardHook", "MMEngineIO", "allow_mmengine_resume"]
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
-STATE_KEY = "nan_guard"
 
 
 class MMEngineIO(GuardIO):
     """Where an MMEngine runner keeps what the guard reads and changes."""
 
-    def __init__(self, runner: Any, skip_nonfinite_fp32: bool = True, write_patched_config: bool = True) -> None:
+    def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.work_dir = runner.work_dir
-        self.skip_nonfinite_fp32 = skip_nonfinite_fp32
-        self.write_patched_config = write_patched_config
         self.probes: List[ClipProbe] = []
+        #: A CheckpointHook saves after this iteration (set by the hook, read as health_check_due).
         self.save_due = False
-        self._batch: Any = None
-        self._rng: Optional[Dict[str, Any]] = None
 
     # -- objects
     def _wrappers(self) -> List[Tuple[str, Any]]:
@@ -63,7 +57,7 @@ class MMEngineIO(GuardIO):
     def optimizers(self) -> List[Any]:
         return [w.optimizer for _, w in self._wrappers()]
 
-    def install_probes(self) -> None:
+    def install_probes(self, skip_nonfinite_fp32: bool) -> None:
         """Makes every optimizer step visible: an observing clip where none is configured, then the probe."""
         self.probes = []
         for name, w in self._wrappers():
@@ -75,11 +69,11 @@ class MMEngineIO(GuardIO):
                          "so that grad_norm is computed")
             if not isinstance(w.clip_func, ClipProbe):
                 amp = hasattr(w, "loss_scaler")
-                w.clip_func = ClipProbe(w.clip_func, skip_nonfinite=self.skip_nonfinite_fp32 and not amp)
+                w.clip_func = ClipProbe(w.clip_func, skip_nonfinite=skip_nonfinite_fp32 and not amp)
             self.probes.append(w.clip_func)
 
     # -- signals
-    def read_step(self) -> Tuple[bool, Optional[float], bool]:
+    def read_step(self) -> StepReading:
         stepped, skipped, norms = False, False, []
         # With one optimizer, MMEngine already read this step's norm into the message hub: reuse that float
         # instead of reading the tensor from the device again.
@@ -91,36 +85,37 @@ class MMEngineIO(GuardIO):
                 norms.append(n)
         # One global norm over all optimizers; NaN and Inf propagate.
         norm = math.sqrt(sum(n * n for n in norms)) if norms else None
-        return stepped, norm, skipped
-
-    def loss(self) -> Optional[float]:
         scalars = self.runner.message_hub.log_scalars
-        return float(scalars["train/loss"].current()) if "train/loss" in scalars else None
+        loss = float(scalars["train/loss"].current()) if "train/loss" in scalars else None
+        return StepReading(stepped, norm, skipped, loss)
 
-    def scaler(self) -> Tuple[Any, str]:
-        for _, w in self._wrappers():
-            if hasattr(w, "loss_scaler"):
-                return w.loss_scaler, "dynamic" if w._scale_update_param is None else "static"
-        return None, "none"
+    def _amp(self) -> Optional[Any]:
+        return next((w for _, w in self._wrappers() if hasattr(w, "loss_scaler")), None)
 
-    def clip_settings(self) -> List[Tuple[str, Dict[str, Any]]]:
-        return [(f"{name}.clip_grad.max_norm", w.clip_grad_kwargs) for name, w in self._wrappers()]
+    def scale_mode(self) -> str:
+        amp = self._amp()
+        if amp is None:
+            return "none"
+        return "dynamic" if amp._scale_update_param is None else "static"
 
-    def counters(self) -> Tuple[int, int]:
+    def loss_scale(self) -> Optional[float]:
+        amp = self._amp()
+        return None if amp is None else float(amp.loss_scaler.get_scale())
+
+    def clip_settings(self) -> List[ClipSetting]:
+        return [ClipSetting(f"{name}.clip_grad.max_norm", w.clip_grad_kwargs) for name, w in self._wrappers()]
+
+    def counter(self) -> Tuple[int, int]:
         return self.runner.iter, self.runner.epoch
 
+    def set_counter(self, value: int) -> None:
+        self.runner.train_loop._iter = value
+
     # -- diagnosis
-    def keep_batch(self, data_batch: Any) -> None:
-        """Keeps this iteration's batch (a reference) and the RNG state before its forward (a host copy)."""
-        self._batch, self._rng = data_batch, capture_rng()
-
-    def release_batch(self) -> None:
-        self._batch = self._rng = None
-
-    def rerun_forward(self) -> Optional[Callable[[], Any]]:
-        if self._batch is None:
+    def rerun_forward(self, batch: Any) -> Optional[Callable[[], Any]]:
+        if batch is None:
             return None
-        model, data, wrapper = self.model(), self._batch, self._wrappers()[0][1]
+        model, data, wrapper = self.model(), batch, self._wrappers()[0][1]
 
         def forward() -> Any:
             # As BaseModel.train_step does, on the unwrapped model: a DDP forward on one rank alone would hang.
@@ -128,9 +123,6 @@ class MMEngineIO(GuardIO):
                 return model._run_forward(model.data_preprocessor(data, True), mode="loss")
 
         return forward
-
-    def rerun_rng_state(self) -> Optional[Dict[str, Any]]:
-        return self._rng
 
     # -- state
     def _schedulers(self) -> List[Any]:
@@ -149,7 +141,6 @@ class MMEngineIO(GuardIO):
 
     def capture(self) -> Dict[str, Any]:
         payload = {
-            "meta": {"iter": self.runner.iter, "epoch": self.runner.epoch},
             "state_dict": self.model().state_dict(),
             "optimizer": self.runner.optim_wrapper.state_dict(),
             "param_schedulers": [s.state_dict() for s in self._schedulers()],
@@ -161,28 +152,26 @@ class MMEngineIO(GuardIO):
             payload["ema_state_dict"] = ema.ema_model.state_dict()
         return payload
 
-    def restore(self, payload: Dict[str, Any]) -> None:
-        model = self.model()
-        model.load_state_dict(payload["state_dict"], strict=not payload["meta"].get("from_disk", False))
-        self._load_optim(payload["optimizer"])
+    def restore(self, payload: Payload) -> None:
+        model, completed, state = self.model(), payload.iteration, payload.state
+        model.load_state_dict(state["state_dict"], strict=payload.strict)
+        self._load_optim(state["optimizer"])
         # Epoch-based schedulers follow the epoch, which a rollback never rewinds.
-        for sched, state in zip(self._schedulers(), payload.get("param_schedulers", [])):
+        for sched, sched_state in zip(self._schedulers(), state.get("param_schedulers", [])):
             if not getattr(sched, "by_epoch", False):
-                sched.load_state_dict(copy.deepcopy(state))
+                sched.load_state_dict(copy.deepcopy(sched_state))
         ema = self._ema_hook()
-        if ema is not None and "ema_state_dict" in payload:
-            ema.ema_model.load_state_dict(payload["ema_state_dict"], strict=False)
-        hub = payload.get("message_hub", {})
+        if ema is not None and "ema_state_dict" in state:
+            ema.ema_model.load_state_dict(state["ema_state_dict"], strict=False)
+        hub = state.get("message_hub", {})
         if "log_scalars" in hub:
             self.runner.message_hub._log_scalars = copy.deepcopy(hub["log_scalars"])
-        loop = self.runner.train_loop
-        loop._iter = int(payload["meta"]["iter"])
-        counts = payload.get("inner_count")
+        counts = state.get("inner_count")
         for i, (_, w) in enumerate(self._wrappers()):
             if counts is not None:
                 w._inner_count = counts[i]
-            else:
-                w.initialize_count_status(model, loop._iter + 1, loop.max_iters)
+            else:  # a checkpoint file: the count of a finished iteration is its number
+                w.initialize_count_status(model, completed, self.runner.train_loop.max_iters)
 
     def _load_optim(self, state: Dict[str, Any]) -> None:
         # OptimWrapper.load_state_dict would alias CPU tensors of the snapshot and pops its 'loss_scaler' key.
@@ -196,7 +185,7 @@ class MMEngineIO(GuardIO):
             if scaler_state is not None and hasattr(w, "loss_scaler"):
                 w.loss_scaler.load_state_dict(copy.deepcopy(scaler_state))
 
-    def fill_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+    def fill_checkpoint(self, checkpoint: Dict[str, Any], completed: int) -> None:
         """Rewrites a checkpoint being saved from the live (just restored) state."""
         checkpoint["state_dict"] = copy_to_host(self.model().state_dict())
         if "optimizer" in checkpoint:
@@ -208,13 +197,14 @@ class MMEngineIO(GuardIO):
         if ema is not None and "ema_state_dict" in checkpoint:  # EMAHook already swapped this dict: redo it
             checkpoint["ema_state_dict"] = copy_to_host(ema.ema_model.state_dict())
             ema._swap_ema_state_dict(checkpoint)
-        checkpoint["meta"]["iter"] = self.runner.iter + 1
+        checkpoint["meta"]["iter"] = completed
 
-    def checkpoint_candidates(self) -> List[str]:
-        paths = sorted(glob.glob(os.path.join(self.work_dir, "*.pth")), key=os.path.getmtime, reverse=True)
-        return paths
+    def checkpoint_files(self) -> List[str]:
+        # CheckpointHook.before_train already joined out_dir with the work dir's name, as it writes there.
+        dirs = {self.work_dir} | {h.out_dir for h in self.runner.hooks if isinstance(h, CheckpointHook) and h.out_dir}
+        return sorted({p for d in dirs for p in glob.glob(os.path.join(d, "*.pth")) if not os.path.islink(p)})
 
-    def load_payload(self, path: str) -> Dict[str, Any]:
+    def read_checkpoint(self, path: str) -> Tuple[Payload, Optional[Dict[str, Any]]]:
         ckpt = safe_load(path)
         if "ema_state_dict" in ckpt and self._ema_hook() is not None:
             # EMAHook saves the averaged weights as 'state_dict' (for deployment): swap them back, as it does.
@@ -222,11 +212,10 @@ class MMEngineIO(GuardIO):
         if isinstance(ckpt.get("param_schedulers"), dict):
             ckpt["param_schedulers"] = [s for group in ckpt["param_schedulers"].values() for s in group]
         meta = ckpt.get("meta", {})
-        # A checkpoint's iter counts completed iterations; the guard restores at after_train_iter,
-        # where the loop's own +1 follows.
-        ckpt["meta"] = {"iter": int(meta.get("iter", 0)) - 1, "epoch": int(meta.get("epoch", 0)), "from_disk": True}
         ckpt.setdefault("param_schedulers", [])
-        return ckpt
+        # MMEngine's meta['iter'] counts completed iterations: the guard's numbering already.
+        payload = Payload(ckpt, int(meta.get("iter", 0)), int(meta.get("epoch", 0)), source=path, strict=False)
+        return payload, ckpt.get(STATE_KEY)
 
     def make_scale_dynamic(self) -> Optional[Change]:
         for name, w in self._wrappers():
@@ -236,11 +225,10 @@ class MMEngineIO(GuardIO):
                 return Change(f"{name}.loss_scale", old, "dynamic")
         return None
 
-    def restore_scale_mode(self, dynamic: bool) -> None:
-        if dynamic:
-            for _, w in self._wrappers():
-                if hasattr(w, "loss_scaler"):
-                    w._scale_update_param = None
+    def restore_scale_mode(self) -> None:
+        for _, w in self._wrappers():
+            if hasattr(w, "loss_scaler"):
+                w._scale_update_param = None
 
     def health_check_due(self) -> bool:
         return self.save_due
@@ -259,17 +247,32 @@ class MMEngineIO(GuardIO):
                 return True
         return False
 
-    def after_incident(self, record: Dict[str, Any]) -> None:
-        if self.write_patched_config and get_rank() == 0:
-            write_config_fix(self.runner.cfg, self.work_dir, self.clip_settings(), self.log)
+    def run_config(self) -> Optional[RunConfig]:
+        cfg = getattr(self.runner, "cfg", None)
+        return RunConfig(cfg, getattr(cfg, "filename", None)) if cfg else None  # a Runner built without a config
 
     # -- output
     def log(self, msg: str, level: str = "info") -> None:
-        print_log(msg, logger="current", level=_LEVELS.get(level, logging.INFO))
+        # stacklevel: the log line names the guard's function that wrote it, not this method.
+        MMLogger.get_current_instance().log(_LEVELS.get(level, logging.INFO), msg, stacklevel=2)
 
     def update_scalars(self, scalars: Dict[str, float]) -> None:
         for key, value in scalars.items():
             self.runner.message_hub.update_scalar(f"train/{key}", value)
+
+
+def allow_mmengine_resume(log: Callable[..., None]) -> None:
+    """Lets MMEngine 0.10's own ``resume`` / ``load_from`` read its checkpoints under torch >= 2.6.
+
+    torch >= 2.6 loads with ``weights_only=True``, which refuses the ``HistoryBuffer`` and numpy objects MMEngine
+    pickles; exactly those types are added to torch's allowlist (process-wide, as ``torch.load`` offers no other
+    way to reach MMEngine's call), and one line says so.
+    """
+    if WEIGHTS_ONLY_IS_DEFAULT and HAS_SAFE_GLOBALS:
+        types = resolve_globals(MMENGINE_CHECKPOINT_GLOBALS)
+        torch.serialization.add_safe_globals(types)
+        log(f"NanGuard: this run loads a checkpoint under torch >= 2.6 (weights_only=True); allowed the {len(types)} "
+            "types MMEngine checkpoints pickle (HistoryBuffer, numpy arrays) so that MMEngine can read them")
 
 
 class NanGuardHook(Hook):
@@ -279,68 +282,51 @@ class NanGuardHook(Hook):
     hook is built), plus:
 
     Args:
-        allow_mmengine_resume: under torch >= 2.6, let MMEngine's own ``resume=True`` load its checkpoints by
-            adding exactly the types they pickle to torch's safe-load allowlist (process-wide, logged).
-            Defaults to True.
+        allow_mmengine_resume: under torch >= 2.6, when the run resumes or loads a checkpoint, let MMEngine's own
+            loading read its checkpoints by adding exactly the types they pickle to torch's safe-load allowlist
+            (process-wide, logged once). Defaults to True.
     """
 
     priority = "NORMAL"
 
     def __init__(self, allow_mmengine_resume: bool = True, **kwargs: Any) -> None:
-        self.config = GuardConfig(**kwargs)
-        if not isinstance(allow_mmengine_resume, bool):
-            raise TypeError(f"allow_mmengine_resume must be a bool, got {allow_mmengine_resume!r}")
-        self.allow_mmengine_resume = allow_mmengine_resume
+        self.driver = GuardDriver(GuardConfig(**kwargs))
+        self.allow_mmengine_resume = check_bool("allow_mmengine_resume", allow_mmengine_resume)
         self.io: Optional[MMEngineIO] = None
-        self.guard: Optional[NanGuard] = None
+
+    @property
+    def config(self) -> GuardConfig:
+        return self.driver.config
+
+    @property
+    def guard(self) -> Optional[NanGuard]:
+        return self.driver.guard
 
     def before_run(self, runner: Any) -> None:
-        self.io = MMEngineIO(runner, self.config.skip_nonfinite_fp32, self.config.write_patched_config)
-        self.guard = NanGuard(self.config, self.io)
-        if self.allow_mmengine_resume and WEIGHTS_ONLY_IS_DEFAULT and HAS_SAFE_GLOBALS:
-            types = resolve_globals(MMENGINE_CHECKPOINT_GLOBALS)
-            torch.serialization.add_safe_globals(types)
-            self.io.log(
-                "NanGuard: torch >= 2.6 loads checkpoints with weights_only=True, which MMEngine 0.10.x cannot "
-                f"resume from; allowed exactly these {len(types)} types process-wide: "
-                + ", ".join(f"{t.__module__}.{t.__qualname__}" for t in types),
-                "warning",
-            )
+        self.io = MMEngineIO(runner)
+        self.driver.bind(self.io)
+        loads = getattr(runner, "_resume", False) or getattr(runner, "_load_from", None)
+        if self.allow_mmengine_resume and loads:
+            allow_mmengine_resume(self.io.log)
 
     def before_train(self, runner: Any) -> None:
-        self.io.install_probes()
-        self.guard.setup()
+        self.driver.start()
 
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
-        if self.config.diagnose:
-            self.io.keep_batch(data_batch)
+        self.driver.before_iter(data_batch)
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
         # Runner.save_checkpoint (and so before_save_checkpoint) runs on rank 0 only, where no collective may
         # run: under DDP the state about to be saved is checked here instead, on every rank, and agreed.
         self.io.save_due = is_distributed() and self.io.checkpoint_due(batch_idx)
-        self.guard.after_iter()
-        self.io.release_batch()
+        self.driver.after_iter()
+
+    def after_train_epoch(self, runner: Any) -> None:
+        self.driver.after_epoch()
 
     def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
-        if self.guard is None:
-            return
-        ok = all_finite(iter_tensors(checkpoint.get("state_dict", {}))) and all_finite(
-            iter_tensors(checkpoint.get("optimizer", {})))
-        if not ok and is_distributed():
-            # Rank 0 alone cannot roll back (the others would not follow); after_train_iter checked this
-            # state on every rank, so this is a save from outside the train loop: refuse it.
-            raise UnsafeCheckpointError("NanGuard: refusing to save a checkpoint with non-finite values")
-        if not ok:  # single process here: no other rank to agree with
-            self.guard.recover_now("non-finite state found while saving a checkpoint")
-            self.io.fill_checkpoint(checkpoint)
-        checkpoint[STATE_KEY] = self.guard.state_dict()
+        if self.guard is not None:
+            self.driver.before_save(checkpoint, self.io.fill_checkpoint)
 
     def after_load_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
-        try:
-            self.guard.check_checkpoint(checkpoint, "the checkpoint being loaded")
-        except UnsafeCheckpointError:
-            self.io.log("NanGuard: refusing a non-finite checkpoint", "error")
-            raise
-        if getattr(runner, "_resume", False) and STATE_KEY in checkpoint:
-            self.guard.load_state_dict(checkpoint[STATE_KEY])
+        self.driver.after_load(checkpoint, getattr(runner, "_resume", False), checkpoint.get(STATE_KEY))

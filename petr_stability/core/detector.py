@@ -11,7 +11,8 @@ class Verdict(enum.IntEnum):
     """Outcome of one step, ordered by severity so that ranks agree by taking the maximum."""
 
     HEALTHY = 0
-    #: A skipped step the loss scaler (or, in fp32, the guard's skip) absorbed: harmless on its own.
+    #: A skipped step the loss scaler (or, in fp32, the guard's skip) absorbed, or a non-finite loss whose
+    #: gradients were finite: harmless on its own, counted toward ``patience``.
     OVERFLOW = 1
     #: A static loss scale is skipping every step: weights are intact but nothing trains.
     STALLED = 2
@@ -24,7 +25,7 @@ class StepSignals:
     """What one training iteration shows, read after its optimizer step.
 
     Attributes:
-        iteration: the runner's 0-based iteration counter during that iteration.
+        iteration: the iteration's 1-based number (docs/how-it-works.md, "Iteration numbering").
         stepped: False on gradient-accumulation iterations that did not step (no verdict is drawn there).
         grad_norm: the unscaled gradient norm of this step, or None where it is not observed.
         loss: the total loss of this iteration (per rank), or None.
@@ -107,21 +108,22 @@ class DivergenceDetector:
     Rules, in order (first match wins):
 
     1. non-finite weights, buffers or optimizer state: DIVERGED at once;
-    2. fp32 (``scale_mode='none'``) and a non-finite gradient that was applied: DIVERGED at once;
+    2. fp32 (``scale_mode='none'``) and a non-finite *gradient* that was applied: DIVERGED at once;
     3. a dynamic scale below ``min_loss_scale``: DIVERGED;
     4. ``patience`` consecutive non-finite losses: DIVERGED (the forward itself is non-finite; the loss is
-       computed before scaling, so no scale can cause or cure it);
-    5. ``patience`` consecutive non-finite steps whose dynamic scale did not fall, or skipped fp32 steps:
-       DIVERGED;
+       computed before scaling, so no scale can cause or cure it). In fp32 a non-finite loss with finite
+       gradients counts here and nowhere else;
+    5. ``patience`` consecutive non-finite steps whose dynamic scale did not fall, or ``patience`` consecutive
+       fp32 steps skipped for a non-finite gradient: DIVERGED;
     6. ``static_patience`` consecutive skipped steps under a static scale: STALLED;
-    7. any other non-finite step: OVERFLOW (harmless: the scaler skipped it and backs off);
+    7. any other non-finite step: OVERFLOW (the scaler or the guard's fp32 skip kept it out of the weights, or
+       only the loss was non-finite);
     8. otherwise HEALTHY, and every streak resets.
     """
 
     def __init__(self, config: Optional[DetectorConfig] = None) -> None:
         self.config = config or DetectorConfig()
         self.reset()
-        self.nonfinite_steps = 0
 
     def reset(self) -> None:
         """Forgets streaks (after a rollback the state that produced them is gone)."""
@@ -131,7 +133,7 @@ class DivergenceDetector:
         self.last_scale: Optional[float] = None
 
     def observe(self, s: StepSignals) -> Decision:
-        """Classifies one iteration; iterations that did not step change nothing."""
+        """Classifies one iteration; iterations that did not step change nothing. The reason names the signal."""
         cfg = self.config
         if s.weights_finite is False:
             return Decision(Verdict.DIVERGED, "non-finite weights, buffers or optimizer state")
@@ -141,20 +143,18 @@ class DivergenceDetector:
             self.reset()
             return Decision(Verdict.HEALTHY)
 
-        self.nonfinite_steps += 1
-        self.overflow_streak += 1
-        self.loss_streak = self.loss_streak + 1 if not _finite(s.loss) else 0
-        applied = s.step_applied if s.step_applied is not None else s.scale_mode == "none"
+        grad_bad, loss_bad = not _finite(s.grad_norm), not _finite(s.loss)
+        self.loss_streak = self.loss_streak + 1 if loss_bad else 0
         what = f"grad_norm={s.grad_norm}, loss={s.loss}"
-        if s.scale_mode == "none" and applied:
-            return Decision(Verdict.DIVERGED, f"fp32 step applied a non-finite gradient ({what})")
+        if s.scale_mode == "none":
+            return self._observe_fp32(s, grad_bad, what)
+        self.overflow_streak += 1
         if s.scale_mode == "dynamic" and s.loss_scale is not None and s.loss_scale < cfg.min_loss_scale:
             return Decision(
                 Verdict.DIVERGED, f"dynamic loss scale fell to {s.loss_scale:g} < min_loss_scale={cfg.min_loss_scale:g}"
             )
         if self.loss_streak >= cfg.patience:
             return Decision(Verdict.DIVERGED, f"{self.loss_streak} consecutive non-finite losses ({what})")
-
         if s.scale_mode == "dynamic":
             fell = self.last_scale is None or s.loss_scale is None or s.loss_scale < self.last_scale
             self.stuck_streak = 0 if fell else self.stuck_streak + 1
@@ -164,9 +164,6 @@ class DivergenceDetector:
                     Verdict.DIVERGED,
                     f"{self.stuck_streak} consecutive overflows with the loss scale no longer falling ({what})",
                 )
-        elif s.scale_mode == "none":
-            if self.overflow_streak >= cfg.patience:
-                return Decision(Verdict.DIVERGED, f"{self.overflow_streak} consecutive skipped fp32 steps ({what})")
         elif self.overflow_streak >= cfg.static_patience:
             return Decision(
                 Verdict.STALLED,
@@ -174,13 +171,32 @@ class DivergenceDetector:
             )
         return Decision(Verdict.OVERFLOW, f"skipped step ({what}), streak {self.overflow_streak}")
 
+    def _observe_fp32(self, s: StepSignals, grad_bad: bool, what: str) -> Decision:
+        # No loss scaler: a non-finite gradient is never ordinary. It is a divergence when it reached the weights,
+        # and a skipped step (streak counted) when the guard's skip kept it out. A non-finite loss whose
+        # gradients are finite (a logging-only loss term) never touched the weights: only its streak counts.
+        cfg = self.config
+        applied = s.step_applied if s.step_applied is not None else True
+        if grad_bad and applied:
+            return Decision(Verdict.DIVERGED, f"fp32 step applied a non-finite gradient ({what})")
+        self.overflow_streak = self.overflow_streak + 1 if grad_bad else 0
+        if self.loss_streak >= cfg.patience:
+            return Decision(Verdict.DIVERGED, f"{self.loss_streak} consecutive non-finite losses ({what})")
+        if self.overflow_streak >= cfg.patience:
+            return Decision(Verdict.DIVERGED,
+                            f"{self.overflow_streak} consecutive skipped fp32 steps: non-finite gradients ({what})")
+        if grad_bad:
+            return Decision(Verdict.OVERFLOW, f"fp32 step skipped: non-finite gradient ({what}), "
+                                              f"streak {self.overflow_streak}")
+        return Decision(Verdict.OVERFLOW, f"non-finite loss with finite gradients ({what}), streak "
+                                          f"{self.loss_streak}; the step was applied")
+
     def state_dict(self) -> Dict[str, Any]:
         return {
             "overflow_streak": self.overflow_streak,
             "stuck_streak": self.stuck_streak,
             "loss_streak": self.loss_streak,
             "last_scale": self.last_scale,
-            "nonfinite_steps": self.nonfinite_steps,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -188,4 +204,3 @@ class DivergenceDetector:
         self.stuck_streak = int(state.get("stuck_streak", 0))
         self.loss_streak = int(state.get("loss_streak", 0))
         self.last_scale = state.get("last_scale")
-        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))

@@ -6,6 +6,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .tree import map_tensors
+
 __all__ = [
     "is_distributed",
     "get_rank",
@@ -85,49 +87,29 @@ class _Slot:
         return f"_Slot({self.index}, {self.shape}, {self.dtype})"
 
 
-def strip_tensors(obj: Any, tensors: Optional[List[torch.Tensor]] = None) -> Tuple[Any, List[torch.Tensor]]:
+def strip_tensors(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
     """Splits nested state into a tensor-free skeleton (deep-copied) and its tensors in traversal order.
 
     The skeleton is small and picklable; :func:`fill_tensors` puts tensors back into it.
     """
-    tensors = [] if tensors is None else tensors
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1, obj.shape, obj.dtype), tensors
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps OrderedDict and other dict subclasses
-        for k, v in obj.items():
-            out[k] = strip_tensors(v, tensors)[0]
-        return out, tensors
-    if isinstance(obj, (list, tuple)):
-        items = [strip_tensors(v, tensors)[0] for v in obj]
-        return (type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)), tensors
-    return copy.deepcopy(obj), tensors
+    tensors: List[torch.Tensor] = []
+
+    def slot(t: torch.Tensor, _: Any) -> _Slot:
+        tensors.append(t)
+        return _Slot(len(tensors) - 1, t.shape, t.dtype)
+
+    return map_tensors(obj, slot, leaf=copy.deepcopy), tensors
 
 
 def _slots(skeleton: Any) -> List[_Slot]:
-    if isinstance(skeleton, _Slot):
-        return [skeleton]
-    if isinstance(skeleton, dict):
-        values: Any = skeleton.values()
-    else:
-        values = skeleton if isinstance(skeleton, (list, tuple)) else ()
-    return [s for v in values for s in _slots(v)]
+    found: List[_Slot] = []
+    map_tensors(skeleton, lambda t, _: t, leaf=lambda v: found.append(v) if isinstance(v, _Slot) else None)
+    return found
 
 
 def fill_tensors(skeleton: Any, tensors: List[torch.Tensor]) -> Any:
     """The inverse of :func:`strip_tensors`: a copy of ``skeleton`` with every slot replaced by its tensor."""
-    if isinstance(skeleton, _Slot):
-        return tensors[skeleton.index]
-    if isinstance(skeleton, dict):
-        out = copy.copy(skeleton)
-        for k, v in skeleton.items():
-            out[k] = fill_tensors(v, tensors)
-        return out
-    if isinstance(skeleton, (list, tuple)):
-        items = [fill_tensors(v, tensors) for v in skeleton]
-        return type(skeleton)(*items) if hasattr(skeleton, "_fields") else type(skeleton)(items)
-    return skeleton
+    return map_tensors(skeleton, lambda t, _: t, leaf=lambda v: tensors[v.index] if isinstance(v, _Slot) else v)
 
 
 def _send_view(t: torch.Tensor) -> torch.Tensor:

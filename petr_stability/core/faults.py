@@ -1,10 +1,12 @@
 """Fault injection for fire drills: plant NaN/Inf in weights, gradients, the loss or a batch, on purpose."""
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import nn
+
+from .tree import iter_tensors
 
 __all__ = [
     "FAULT_KINDS",
@@ -125,25 +127,19 @@ def poison_loss(outputs: Any, value: float = math.nan) -> Any:
     return outputs
 
 
-def poison_batch(batch: Any, value: float, apply: Optional[Callable[[torch.Tensor], None]] = None) -> int:
+def poison_batch(batch: Any, value: float) -> int:
     """Scales (finite ``value``) or overwrites (NaN/Inf) every floating tensor of a batch in place.
 
     Returns how many tensors were hit.
     """
-    count = 0
-    if isinstance(batch, torch.Tensor):
-        if batch.is_floating_point():
-            with torch.no_grad():
-                if math.isfinite(value):
-                    batch.mul_(value)
-                else:
-                    batch.fill_(value)
-            count = 1
-    elif isinstance(batch, dict):
-        count = sum(poison_batch(v, value) for v in batch.values())
-    elif isinstance(batch, (list, tuple)):
-        count = sum(poison_batch(v, value) for v in batch)
-    return count
+    hit = list(iter_tensors(batch))
+    with torch.no_grad():
+        for t in hit:
+            if math.isfinite(value):
+                t.mul_(value)
+            else:
+                t.fill_(value)
+    return len(hit)
 
 
 class FaultPlan:

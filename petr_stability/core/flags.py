@@ -1,6 +1,6 @@
 """Version gates for torch features newer than the supported floor (torch >= 1.10): the only place that checks."""
 import inspect
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 
@@ -50,10 +50,3 @@ def make_grad_scaler(device: str = "cuda", **kwargs: Any) -> Any:
     if device != "cuda":
         raise RuntimeError(f"a GradScaler for device {device!r} needs torch >= 2.3, found {torch.__version__}")
     return torch.cuda.amp.GradScaler(**kwargs)
-
-
-def safe_globals_context(types: list) -> Optional[Callable[[], Any]]:
-    """Returns a factory for a ``safe_globals`` context over ``types``, or None where torch has none."""
-    if not HAS_SAFE_GLOBALS:
-        return None
-    return lambda: torch.serialization.safe_globals(types)

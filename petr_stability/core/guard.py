@@ -1,37 +1,42 @@
-"""The framework-free guard: per-step detection, remedies, snapshots, rollback, budget and incident log.
+"""The framework-free guard: per-step detection, remedies, snapshots, restore points, budget and incident log.
 
-A runner adapter subclasses :class:`GuardIO` to say where things live in its runner and calls
-:meth:`NanGuard.after_iter` once per training iteration, at the same hook point where snapshots are both
-taken and restored: whatever the runner does after that point (scheduler steps, counter increments,
-checkpoint saves) then runs the same way after a restore as it did after the capture, so counters, LR and
-schedulers stay consistent without special cases.
+The driver (:mod:`~petr_stability.core.driver`) calls :meth:`NanGuard.after_iter` once per training iteration,
+at the same hook point where snapshots are both taken and restored: whatever the runner does after that point
+(scheduler steps, counter increments, checkpoint saves) then runs the same way after a restore as it did after
+the capture, so counters, LR and schedulers stay consistent without special cases. Iterations are numbered as
+:mod:`~petr_stability.core.port` states once: 1-based, and a state "at N" is the state after N iterations.
 """
-import abc
-import math
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 
 from . import distributed
 from .detector import Decision, DetectorConfig, DivergenceDetector, StepSignals, Verdict
 from .diagnose import diagnose_step, summarize
 from .errors import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError
-from .health import all_finite, first_nonfinite, iter_tensors, state_finite
+from .health import all_finite, first_nonfinite, state_finite
 from .incidents import IncidentLog
-from .remedies import Change, tighten_clip, zero_transformer_dropout
-from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host, payload_nbytes
+from .port import GuardIO, Payload
+from .remedies import Change, zero_transformer_dropout
+from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
+from .tree import iter_tensors, nbytes
+from .validate import check_bool, check_choice, check_int, check_list, check_names, check_number
 
-__all__ = ["GuardConfig", "GuardIO", "NanGuard", "REMEDIES"]
+__all__ = ["GuardConfig", "GuardIO", "NanGuard", "REMEDIES", "RESTORE_ORDER"]
 
 #: Remedy names accepted by ``remedies=``.
 REMEDIES = ("clip", "dropout", "rollback", "scale")
 
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+#: Where a rollback looks, in this order; each point is tried at most once per incident chain (until a state
+#: taken after the latest recovery is confirmed). docs/how-it-works.md, "Restore points", says why.
+RESTORE_ORDER = (
+    "confirmed snapshots, newest first",
+    "unconfirmed snapshots of this run, newest first",
+    "the state the run started from (before its first step, or right after resume)",
+    "this run's finite checkpoints, newest first",
+)
 
 
 @dataclass
@@ -58,7 +63,7 @@ class GuardConfig:
             Defaults to 3.
         max_recoveries: rollbacks allowed in a run before giving up with :class:`NanGuardGaveUp`.
             Defaults to 5.
-        max_norm: target of the clip remedy, ``max_norm = min(current, target)``: the seed's 1. Defaults
+        max_norm: target of the clip remedy, ``max_norm = min(current, target)``: the known manual fix's 1. Defaults
             to 1.0.
         max_norm_schedule: optional targets per incident (``[10, 3, 1]`` tightens step by step); the last one
             stays. Overrides ``max_norm``. Defaults to None.
@@ -68,9 +73,10 @@ class GuardConfig:
         dropout_exclude: module-name prefixes whose dropout is left alone. Defaults to the backbones.
         skip_nonfinite_fp32: in fp32, drop a step with a non-finite gradient before the optimizer applies it
             (as a loss scaler does) instead of letting NaN into the weights. Defaults to True.
-        restore_from_checkpoints: when no confirmed snapshot exists, roll back to the newest finite
-            checkpoint in the work dir. Defaults to True.
-        write_patched_config: after an incident, rank 0 writes ``<work_dir>/nan_guard_patched_config.py``: the
+        restore_from_checkpoints: after the in-memory states, try this run's own finite checkpoints (newest
+            first; another run's files in the same work dir are never used). Defaults to True.
+        write_patched_config: after an incident and on giving up, rank 0 writes
+            ``<work_dir>/nan_guard_patched_config.py``: the
             run's config with the seed's fix (transformer dropout 0, the live ``max_norm``), so that the next
             run starts stable. Defaults to True.
         snapshot_copies: ``'rank'`` (every rank keeps its own snapshots) or ``'node'`` (one copy per node,
@@ -100,33 +106,25 @@ class GuardConfig:
 
     def __post_init__(self) -> None:
         self.detector = DetectorConfig(self.patience, self.min_loss_scale, self.static_patience)
-        _check_int("check_interval", self.check_interval, 1)
-        if not isinstance(self.diagnose, bool):
-            raise TypeError(f"diagnose must be a bool, got {self.diagnose!r}")
-        _check_int("snapshot_interval", self.snapshot_interval, 1)
-        _check_int("confirm_steps", self.confirm_steps, 0)
-        _check_int("keep_snapshots", self.keep_snapshots, 2)
-        _check_int("max_recoveries", self.max_recoveries, 0)
-        targets = list(self.max_norm_schedule) if self.max_norm_schedule is not None else [self.max_norm]
-        if not targets:
-            raise ValueError("max_norm_schedule must not be empty")
-        for value in targets:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-                raise ValueError(f"max_norm must be a finite number > 0, got {value!r}")
-        if isinstance(self.remedies, str):
-            raise TypeError(f"remedies must be a list of names, got the string {self.remedies!r}")
-        unknown = [r for r in self.remedies if r not in REMEDIES]
-        if unknown:
-            raise ValueError(f"unknown remedy {unknown[0]!r}; choose from {list(REMEDIES)}")
-        if self.dropout_scope not in ("transformer", "all"):
-            raise ValueError(f"dropout_scope must be 'transformer' or 'all', got {self.dropout_scope!r}")
+        check_int("check_interval", self.check_interval, 1)
+        check_bool("diagnose", self.diagnose)
+        check_int("snapshot_interval", self.snapshot_interval, 1)
+        check_int("confirm_steps", self.confirm_steps, 0)
+        check_int("keep_snapshots", self.keep_snapshots, 2)
+        check_int("max_recoveries", self.max_recoveries, 0)
+        check_number("max_norm", self.max_norm)
+        if self.max_norm_schedule is not None:
+            schedule = check_list("max_norm_schedule", self.max_norm_schedule)
+            if not schedule:
+                raise ValueError("max_norm_schedule must not be empty, got []")
+            for value in schedule:
+                check_number("max_norm_schedule entry", value)
+        self.remedies = check_names("remedies", self.remedies, REMEDIES)
+        check_choice("dropout_scope", self.dropout_scope, ("transformer", "all"))
+        self.dropout_exclude = check_names("dropout_exclude", self.dropout_exclude)
         for name in ("skip_nonfinite_fp32", "restore_from_checkpoints", "write_patched_config"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.snapshot_copies not in ("rank", "node"):
-            raise ValueError(f"snapshot_copies must be 'rank' or 'node', got {self.snapshot_copies!r}")
-        if isinstance(self.dropout_exclude, str):
-            raise TypeError(f"dropout_exclude must be a list of prefixes, got the string {self.dropout_exclude!r}")
+            check_bool(name, getattr(self, name))
+        check_choice("snapshot_copies", self.snapshot_copies, ("rank", "node"))
 
     def clip_target(self, incident: int) -> float:
         """max_norm target for the ``incident``-th recovery (1-based)."""
@@ -134,90 +132,15 @@ class GuardConfig:
         return float(targets[min(incident, len(targets)) - 1])
 
 
-class GuardIO(abc.ABC):
-    """Where a runner keeps what the guard reads and changes. One small subclass per runner family.
+@dataclass
+class _Point:
+    """One restore point: where it lives and how to read it (lazily: a checkpoint is read only when tried)."""
 
-    A *payload* is a dict of state dicts as the adapter's checkpoints hold them (``state_dict``,
-    ``optimizer``, ...) plus ``meta`` with ``iter`` and ``epoch``; the guard copies it to the host and hands
-    it back unchanged to :meth:`restore`.
-    """
-
-    work_dir: Optional[str] = None
-
-    @abc.abstractmethod
-    def model(self) -> nn.Module:
-        """The unwrapped model."""
-
-    @abc.abstractmethod
-    def optimizers(self) -> List[Any]:
-        """The torch optimizers."""
-
-    @abc.abstractmethod
-    def read_step(self) -> Tuple[bool, Optional[float], bool]:
-        """(stepped, grad_norm, skipped_by_guard) of the iteration that just ran (from the clip probe)."""
-
-    @abc.abstractmethod
-    def loss(self) -> Optional[float]:
-        """This iteration's total loss on this rank, as a host float already read by the runner."""
-
-    @abc.abstractmethod
-    def scaler(self) -> Tuple[Any, str]:
-        """(loss scaler or None, ``'dynamic'`` | ``'static'`` | ``'none'``)."""
-
-    @abc.abstractmethod
-    def clip_settings(self) -> List[Tuple[str, Dict[str, Any]]]:
-        """(name, live clip kwargs dict) for each optimizer; edits take effect at the next step."""
-
-    @abc.abstractmethod
-    def capture(self) -> Dict[str, Any]:
-        """The live state to snapshot (references are fine: the guard copies)."""
-
-    @abc.abstractmethod
-    def restore(self, payload: Dict[str, Any]) -> None:
-        """Loads a payload into the live objects and sets the iteration counter to ``payload['meta']['iter']``."""
-
-    @abc.abstractmethod
-    def counters(self) -> Tuple[int, int]:
-        """(iteration, epoch) as the runner counts them now."""
-
-    @abc.abstractmethod
-    def log(self, msg: str, level: str = "info") -> None:
-        """Writes through the runner's logger."""
-
-    def update_scalars(self, scalars: Dict[str, float]) -> None:
-        """Publishes scalars to the runner's log/visualization backends."""
-
-    def checkpoint_candidates(self) -> List[str]:
-        """Checkpoint files to fall back on, newest first."""
-        return []
-
-    def load_payload(self, path: str) -> Dict[str, Any]:
-        """Reads a checkpoint file into a payload (safe loading)."""
-        raise NotImplementedError
-
-    def make_scale_dynamic(self) -> Optional[Change]:
-        """Turns a static loss scale into a dynamic one; None where there is none to change."""
-        return None
-
-    def restore_scale_mode(self, dynamic: bool) -> None:
-        """Re-applies a scale-mode remedy after a resume."""
-
-    def after_incident(self, record: Dict[str, Any]) -> None:
-        """Called on every rank after an incident was handled and logged (for example to write a patched config)."""
-
-    def health_check_due(self) -> bool:
-        """True when this rank wants a full health check on this iteration (e.g. it just saved a non-finite
-        checkpoint); the verdict is agreed across ranks as usual."""
-        return False
-
-    def rerun_forward(self) -> Optional[Callable[[], Any]]:
-        """A zero-argument callable re-running this iteration's forward on the unwrapped model, in the training
-        autocast context, returning its loss (dict); None where the adapter cannot (no diagnosis then)."""
-        return None
-
-    def rerun_rng_state(self) -> Optional[Dict[str, Any]]:
-        """RNG state captured before this iteration's forward (:func:`~.diagnose.capture_rng`), or None."""
-        return None
+    key: str
+    kind: str
+    iteration: int
+    read: Callable[[], Optional[Payload]] = field(repr=False)
+    snapshot: Optional[Snapshot] = field(default=None, repr=False)
 
 
 class NanGuard:
@@ -234,42 +157,62 @@ class NanGuard:
         self.detector = DivergenceDetector(config.detector)
         self.ring = SnapshotRing(config.keep_snapshots, config.confirm_steps)
         self.incidents = IncidentLog(io.work_dir, enabled=distributed.get_rank() == 0)
+        #: Names this run in every checkpoint it saves: a rollback only ever uses checkpoints carrying it.
+        self.run_id = uuid.uuid4().hex
         self.recoveries = 0
         self.stalls = 0
         self.iterations_lost = 0
         self.skipped_steps = 0
+        self.fp32_skips = 0
         self.dropout_zeroed = False
         self.scale_made_dynamic = False
         self.actions_tried: List[str] = []
         self._clip_state: Dict[str, float] = {}
-        self._last_restored: Optional[Snapshot] = None
-        self._failed_paths: set = set()
-        self._last_restored_path: Optional[str] = None
+        self.start: Optional[Snapshot] = None
+        self._tried: set = set()
+        self._foreign_logged = False
         self.last_diagnosis: Optional[Dict[str, Any]] = None
+        #: Called on every rank with each incident record after it was written (the driver writes the patched
+        #: config there).
+        self.listeners: List[Callable[[Dict[str, Any]], None]] = []
+        #: The batch and RNG state of the running iteration, kept by the driver for a diagnosis.
+        self.batch: Any = None
+        self.rng: Optional[Dict[str, Any]] = None
+        #: What identifies the running iteration's samples (dataset indices, tokens) for the records.
+        self.batch_ids: Optional[Any] = None
 
     # ------------------------------------------------------------------ setup and persistence
     def setup(self) -> None:
         """Re-applies remedies recorded in a resumed state (call once the runner's objects exist)."""
-        for name, kwargs in self.io.clip_settings():
-            if name in self._clip_state:
-                change = tighten_clip(kwargs, self._clip_state[name], target=name)
+        for clip in self.io.clip_settings():
+            if clip.name in self._clip_state:
+                change = clip.tighten(self._clip_state[clip.name])
                 if change:
-                    self.io.log(f"NanGuard: resumed remedy {name}: {change.old:g} -> {change.new:g}")
+                    self.io.log(f"NanGuard: resumed remedy {clip.name}: {change.old:g} -> {change.new:g}")
         if self.dropout_zeroed:
             changes = self._zero_dropout()
             if changes:
                 self.io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
         if self.scale_made_dynamic:
-            self.io.restore_scale_mode(dynamic=True)
+            self.io.restore_scale_mode()
         self._publish()
+
+    def capture_start(self) -> None:
+        """Keeps the state the run starts from (before its first step, or right after resume): a restore point
+        that exists before any snapshot is confirmed. Costs one snapshot of host memory."""
+        iteration, epoch = self.io.completed(inside=False)
+        self.start = Snapshot(iteration, epoch, self._copy_state(), nbytes=0)
+        self.start.nbytes = nbytes(self.start.payload)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
-            "version": 1,
+            "version": 2,
+            "run_id": self.run_id,
             "recoveries": self.recoveries,
             "stalls": self.stalls,
             "iterations_lost": self.iterations_lost,
             "skipped_steps": self.skipped_steps,
+            "fp32_skips": self.fp32_skips,
             "dropout_zeroed": self.dropout_zeroed,
             "scale_made_dynamic": self.scale_made_dynamic,
             "clip": dict(self._clip_state),
@@ -278,10 +221,12 @@ class NanGuard:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.run_id = str(state.get("run_id", self.run_id))
         self.recoveries = int(state.get("recoveries", 0))
         self.stalls = int(state.get("stalls", 0))
         self.iterations_lost = int(state.get("iterations_lost", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.fp32_skips = int(state.get("fp32_skips", 0))
         self.dropout_zeroed = bool(state.get("dropout_zeroed", False))
         self.scale_made_dynamic = bool(state.get("scale_made_dynamic", False))
         self._clip_state = {str(k): float(v) for k, v in dict(state.get("clip", {})).items()}
@@ -291,25 +236,25 @@ class NanGuard:
     # ------------------------------------------------------------------ the per-iteration path
     def after_iter(self) -> Decision:
         """Runs once per training iteration, after the optimizer step; returns the agreed decision."""
-        iteration, _ = self.io.counters()
-        stepped, grad_norm, skipped = self.io.read_step()
-        scaler, mode = self.io.scaler()
-        signals = StepSignals(iteration, stepped, grad_norm, self.io.loss(), None, mode)
-        if skipped:
+        iteration, _ = self.io.completed(inside=True)
+        reading = self.io.read_step()
+        mode = self.io.scale_mode()
+        signals = StepSignals(iteration, reading.stepped, reading.grad_norm, reading.loss, None, mode)
+        if reading.skipped_by_guard:
             signals.step_applied = False
         # The first healthy step of a run (or after the ring was emptied) is snapshotted at once, so a state to
         # return to exists as early as possible; then every snapshot_interval iterations.
-        snapshot_due = stepped and (len(self.ring) == 0 or (iteration + 1) % self.config.snapshot_interval == 0)
+        snapshot_due = reading.stepped and (len(self.ring) == 0 or iteration % self.config.snapshot_interval == 0)
         if signals.suspicious:
-            signals.loss_scale = _scale_of(scaler)
+            signals.loss_scale = self.io.loss_scale()
             signals.weights_finite = self._healthy(optimizer=True)
         elif snapshot_due or self.io.health_check_due():
             signals.weights_finite = self._healthy(optimizer=True)
-        elif (iteration + 1) % self.config.check_interval == 0:
+        elif iteration % self.config.check_interval == 0:
             signals.weights_finite = self._healthy(optimizer=False)
         if signals.loss_scale is None and signals.weights_finite is not None:
             # A check already waited for the device here: publish the scale too, for the logs and the report.
-            signals.loss_scale = _scale_of(scaler)
+            signals.loss_scale = self.io.loss_scale()
 
         decision = self.detector.observe(signals)
         agreed = Verdict(distributed.reduce_max([int(decision.verdict)])[0])
@@ -317,14 +262,13 @@ class NanGuard:
             decision = Decision(agreed, f"another rank reported {agreed.name} ({decision.reason or 'here: healthy'})")
 
         if agreed == Verdict.HEALTHY:
-            if stepped:
+            if reading.stepped:
                 self.ring.tick()
+                self._maybe_close_chain()
                 if snapshot_due:
                     self._snapshot(iteration)
         elif agreed == Verdict.OVERFLOW:
-            self.skipped_steps += 1
-            scale = "" if signals.loss_scale is None else f", loss scale now {signals.loss_scale:g}"
-            self.io.log(f"NanGuard: harmless overflow at iter {iteration + 1}: step skipped{scale} ({decision.reason})")
+            self._on_overflow(signals, decision)
         elif agreed == Verdict.STALLED:
             self.skipped_steps += 1
             self._on_stall(signals, decision)
@@ -333,23 +277,54 @@ class NanGuard:
         self._publish(signals.loss_scale)
         return decision
 
+    def _on_overflow(self, signals: StepSignals, decision: Decision) -> None:
+        if signals.scale_mode != "none":
+            self.skipped_steps += 1
+            scale = "" if signals.loss_scale is None else f", loss scale now {signals.loss_scale:g}"
+            self.io.log(f"NanGuard: harmless overflow at iter {signals.iteration}: step skipped{scale} "
+                        f"({decision.reason})")
+            return
+        # fp32 has no loss scaler: nothing here is ordinary. Every such step is an event in the incident log
+        # (which step, which batch: what a user needs to find bad data).
+        skipped = signals.step_applied is False
+        if skipped:
+            self.skipped_steps += 1
+            self.fp32_skips += 1
+        what = "fp32 step skipped before the optimizer applied it" if skipped else "non-finite loss, step applied"
+        record = self._record("skip" if skipped else "nonfinite_loss", signals, decision, [])
+        record["batch"] = self.batch_ids
+        self.incidents.write(record)
+        self.io.log(f"NanGuard: {what} at iter {signals.iteration} ({decision.reason})", "warning")
+
     def _healthy(self, optimizer: bool) -> bool:
         return state_finite(self.io.model(), self.io.optimizers() if optimizer else ())
 
-    def _snapshot(self, iteration: int) -> None:
-        # Pinned host memory and asynchronous copies where the model lives on a GPU.
-        device = next((p.device for p in self.io.model().parameters()), None)
-        pin = device is not None and device.type == "cuda"
+    def _copy_state(self) -> Dict[str, Any]:
         if self._holds_no_tensors():
             # The node's leader keeps the tensors; this rank keeps the structure and its own small state.
-            payload = distributed.strip_tensors(self.io.capture())[0]
-        else:
-            payload = copy_to_host(self.io.capture(), reuse=self.ring.recyclable(), pin=pin)
-        # No host wait: the copies are queued on the current stream ahead of anything that writes the state
-        # again (docs/gpu.md: why not a side stream); the host waits only when it reads the snapshot.
-        _, epoch = self.io.counters()
-        snap = Snapshot(iteration, epoch, payload, nbytes=payload_nbytes(payload), copied=copies_done(pin, device))
-        self.ring.add(snap)
+            return distributed.strip_tensors(self.io.capture())[0]
+        device = next((p.device for p in self.io.model().parameters()), None)
+        pin = device is not None and device.type == "cuda"
+        return copy_to_host(self.io.capture(), reuse=self.ring.recyclable(), pin=pin)
+
+    def _snapshot(self, iteration: int) -> None:
+        # Pinned host memory and asynchronous copies where the model lives on a GPU. No host wait: the copies
+        # are queued on the current stream ahead of anything that writes the state again (docs/gpu.md: why not
+        # a side stream); the host waits only when it reads the snapshot.
+        payload = self._copy_state()
+        device = next((p.device for p in self.io.model().parameters()), None)
+        pin = device is not None and device.type == "cuda" and not self._holds_no_tensors()
+        _, epoch = self.io.completed(inside=True)
+        self.ring.add(Snapshot(iteration, epoch, payload, nbytes=nbytes(payload), copied=copies_done(pin, device),
+                               generation=self.recoveries))
+
+    def _maybe_close_chain(self) -> None:
+        # A state taken after the latest recovery proved healthy: the recovery held, the incident chain ends and
+        # every restore point may be tried again by a later, unrelated incident.
+        if self._tried:
+            snap = self.ring.newest_confirmed()
+            if snap is not None and snap.generation == self.recoveries:
+                self._tried.clear()
 
     # ------------------------------------------------------------------ remedies and rollback
     def _zero_dropout(self) -> List[Change]:
@@ -359,19 +334,18 @@ class NanGuard:
         changes: List[Change] = []
         if "clip" in self.config.remedies:
             target = self.config.clip_target(incident)
-            for name, kwargs in self.io.clip_settings():
-                change = tighten_clip(kwargs, target, target=name)
+            for clip in self.io.clip_settings():
+                change = clip.tighten(target)
                 if change:
                     changes.append(change)
-                if kwargs and "max_norm" in kwargs:
-                    self._clip_state[name] = float(kwargs["max_norm"])
-                elif kwargs:
-                    self.io.log(f"NanGuard: {name} clips by value ({kwargs}); the max_norm remedy does not apply",
-                                "warning")
+                if clip.kind == "norm":
+                    self._clip_state[clip.name] = clip.max_norm
+                elif clip.kind == "value":
+                    self.io.log(f"NanGuard: {clip.name} clips by value ({clip.kwargs}); the max_norm remedy does "
+                                "not apply", "warning")
         if "dropout" in self.config.remedies:
-            dropout = self._zero_dropout()
+            changes.extend(self._zero_dropout())
             self.dropout_zeroed = True
-            changes.extend(dropout)
         return changes
 
     def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
@@ -382,40 +356,40 @@ class NanGuard:
         self.stalls += 1
         self.scale_made_dynamic = True
         self.detector.reset()
-        self.actions_tried.append(f"iter {signals.iteration + 1}: {change.target} {change.old} -> {change.new}")
+        self.actions_tried.append(f"iter {signals.iteration}: {change.target} {change.old} -> {change.new}")
         record = self._record("stalled", signals, decision, [change])
-        self.incidents.write(record)
-        self.io.after_incident(record)
         self.io.log(
-            f"NanGuard: static loss scale stalled training at iter {signals.iteration + 1} ({decision.reason}); "
+            f"NanGuard: static loss scale stalled training at iter {signals.iteration} ({decision.reason}); "
             f"{change.target}: {change.old} -> {change.new}",
             "warning",
         )
+        self._emit(record)
 
     def _diagnose(self, signals: StepSignals) -> Optional[Dict[str, Any]]:
         # A rank whose own step was clean would only re-run a clean batch: only those that saw the fault do.
         saw_fault = signals.suspicious or signals.weights_finite is False or not distributed.is_distributed()
-        forward = self.io.rerun_forward() if self.config.diagnose and saw_fault else None
+        forward = self.io.rerun_forward(self.batch) if self.config.diagnose and saw_fault else None
         if forward is None:
             return None
         try:
-            snap = self.ring.newest_confirmed()
+            snap = self.ring.newest_confirmed() or self.start
             weights = snap.ready_payload().get("state_dict") if snap is not None else None
             if not weights or not all(isinstance(v, torch.Tensor) for v in weights.values()):
                 weights = None  # e.g. snapshot_copies='node' away from the node's leader: no tensors here
-            scale = signals.loss_scale if signals.loss_scale is not None else _scale_of(self.io.scaler()[0])
-            report = diagnose_step(self.io.model(), forward, rng_state=self.io.rerun_rng_state(),
-                                   loss_scale=scale or 1.0, healthy_weights=weights,
-                                   healthy_from=f"snapshot of iter {snap.iteration + 1}" if weights else "")
+            scale = signals.loss_scale if signals.loss_scale is not None else self.io.loss_scale()
+            where = "the run's start state" if snap is self.start else f"snapshot of iter {snap.iteration}" if snap \
+                else ""
+            report = diagnose_step(self.io.model(), forward, rng_state=self.rng, loss_scale=scale or 1.0,
+                                   healthy_weights=weights, healthy_from=where if weights else "")
         except Exception as exc:  # the diagnosis must never stand between a divergence and its recovery
             report = {"error": f"{type(exc).__name__}: {exc}"}
         report["rank"] = distributed.get_rank()
-        self.io.log(f"NanGuard: diagnosis of iter {signals.iteration + 1} (rank {report['rank']}): "
+        self.io.log(f"NanGuard: diagnosis of iter {signals.iteration} (rank {report['rank']}): "
                     f"{summarize(report)}", "warning")
         return report
 
-    def _recover(self, signals: StepSignals, decision: Decision) -> None:
-        iteration, epoch = self.io.counters()
+    def _recover(self, signals: StepSignals, decision: Decision, inside: bool = True) -> None:
+        iteration, epoch = self.io.completed(inside)
         # Before any remedy: the re-run needs the dropout and weights that the failing step ran with.
         self.last_diagnosis = self._diagnose(signals)
         if self.recoveries >= self.config.max_recoveries:
@@ -423,118 +397,150 @@ class NanGuard:
                           f"the recovery budget is spent ({self.recoveries} of max_recoveries="
                           f"{self.config.max_recoveries})")
         changes = self._apply_remedies(self.recoveries + 1)
+        for change in changes:
+            self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
         restored: Dict[str, Any] = {}
         lost = 0
         if "rollback" in self.config.remedies:
-            target = self._pick_target()
-            if target is None:
+            payload = self._next_restore_point(iteration)
+            if payload is None:
+                tried = ", ".join(sorted(self._tried)) or "none existed"
                 self._give_up(signals, decision, NoHealthyStateError,
-                              "no healthy state to roll back to: no snapshot is confirmed yet "
-                              f"(each needs confirm_steps={self.config.confirm_steps} clean steps) and no finite "
-                              "checkpoint was found in the work dir", changes)
-            payload, restored, snap = target
+                              f"no healthy state of this run is left to roll back to (tried: {tried}; the order is: "
+                              + "; ".join(RESTORE_ORDER) + ")", changes)
             self.io.restore(payload)
-            self._last_restored = snap
-            lost = max(0, iteration - int(restored["iteration"]))
-            restored_iter, _ = self.io.counters()
-            restored["iteration_now"] = restored_iter
+            self.io.rewind(payload.iteration, inside)
+            # States newer than the one restored belong to the abandoned path.
+            self.ring.snapshots = [s for s in self.ring.snapshots if s.iteration <= payload.iteration]
+            lost = max(0, iteration - payload.iteration)
+            restored = {"source": payload.source, "iteration": payload.iteration}
+            self.actions_tried.append(f"iter {iteration}: rollback to {payload.source} (iter {payload.iteration})")
         self.detector.reset()
         self.io.read_step()  # forget the failed step's probe reading
         self.recoveries += 1
         self.iterations_lost += lost
-        for change in changes:
-            self.actions_tried.append(f"iter {iteration + 1}: {change.target} {change.old} -> {change.new}")
-        if restored:
-            self.actions_tried.append(f"iter {iteration + 1}: rollback to {restored['source']} "
-                                      f"(iter {restored['iteration'] + 1})")
         record = self._record("divergence", signals, decision, changes)
         record.update(restored_from=restored or None, iterations_lost=lost, epoch=epoch, diagnosis=self.last_diagnosis)
-        self.incidents.write(record)
-        self.io.after_incident(record)
-        where = (f"rolled back to iter {restored['iteration'] + 1} from {restored['source']}, "
+        where = (f"rolled back to iter {restored['iteration']} from {restored['source']}, "
                  f"{lost} iteration(s) lost" if restored else "no rollback (disabled)")
         self.io.log(
-            f"NanGuard: divergence at iter {iteration + 1} ({decision.reason}); recovery "
-            f"{self.recoveries}/{self.config.max_recoveries}: {where}; {len(changes)} setting(s) changed",
+            f"NanGuard: divergence at iter {iteration} ({decision.reason}); recovery "
+            f"{self.recoveries}/{self.config.max_recoveries}: {where}; {len(changes)} setting(s) changed "
+            "(the known manual fix: transformer dropout 0, max_norm 1)",
             "warning",
         )
         for change in changes:
             self.io.log(f"NanGuard:   {change.target}: {change.old} -> {change.new}", "warning")
+        if restored:
+            self.io.log(f"NanGuard: the iteration counter restarts at {restored['iteration'] + 1}; checkpoints of the "
+                        "replayed iterations will be written again", "warning")
+        self.io.after_recovery(self.state_dict(), inside)
+        self._emit(record)
 
-    def _pick_target(self) -> Optional[Tuple[Dict[str, Any], Dict[str, Any], Optional[Snapshot]]]:
-        newest = self.ring.newest_confirmed()
-        if newest is not None and newest is self._last_restored:
-            # Recovering from it failed again before any newer state proved healthy: step further back.
-            newest.failed = True
-            self.io.log(f"NanGuard: the state of iter {newest.iteration + 1} diverged again; stepping back", "warning")
-        self.ring.discard_unconfirmed()
-        snap = self.ring.newest_confirmed()
-        if snap is not None:
-            self._last_restored_path = None
-            payload = snap.ready_payload()
-            if self.config.snapshot_copies == "node" and distributed.is_distributed():
-                group, leader, _ = distributed.node_group()
-                payload = distributed.broadcast_payload(payload, src=leader, group=group, known_structure=True)
-            return payload, {"source": "memory", "iteration": snap.iteration}, snap
-        if not self.config.restore_from_checkpoints:
-            return None
-        return self._checkpoint_target()
+    # ------------------------------------------------------------------ restore points
+    def _restore_points(self, now: int) -> Iterator[_Point]:
+        ring = self.ring
+        confirmed = [s for s in reversed(ring.snapshots) if ring.is_confirmed(s)]
+        pending = [s for s in reversed(ring.snapshots) if not ring.is_confirmed(s) and not s.failed]
+        for kind, snaps in (("memory", confirmed), ("memory (unconfirmed)", pending)):
+            for snap in snaps:
+                yield _Point(f"snapshot of iter {snap.iteration} (path {snap.generation})", kind, snap.iteration,
+                             lambda snap=snap: self._snapshot_payload(snap), snap)
+        if self.start is not None:
+            yield _Point(f"start state (iter {self.start.iteration})", "start", self.start.iteration,
+                         lambda: self._snapshot_payload(self.start, "start"), self.start)
+        if self.config.restore_from_checkpoints:
+            yield _Point("checkpoints", "checkpoint", -1, lambda: self._checkpoint_payload(now))
+
+    def _next_restore_point(self, now: int) -> Optional[Payload]:
+        for point in self._restore_points(now):
+            if point.key in self._tried:
+                continue
+            if point.kind != "checkpoint":
+                self._tried.add(point.key)
+                if point.kind != "memory":
+                    self.io.log(f"NanGuard: no confirmed snapshot is left; using {point.kind} state of iter "
+                                f"{point.iteration}", "warning")
+            payload = point.read()
+            if payload is not None:
+                return payload
+        return None
+
+    def _snapshot_payload(self, snap: Snapshot, source: str = "memory") -> Payload:
+        payload = snap.ready_payload()
+        if self.config.snapshot_copies == "node" and distributed.is_distributed():
+            group, leader, _ = distributed.node_group()
+            payload = distributed.broadcast_payload(payload, src=leader, group=group, known_structure=True)
+        return Payload(payload, snap.iteration, snap.epoch, source=source)
 
     def _holds_no_tensors(self) -> bool:
         if self.config.snapshot_copies != "node" or not distributed.is_distributed():
             return False
         return distributed.node_group()[1] != distributed.get_rank()
 
-    def _checkpoint_target(self) -> Optional[Tuple[Dict[str, Any], Dict[str, Any], Optional[Snapshot]]]:
-        if self._last_restored_path is not None:
-            # Restored from it and diverged again with no snapshot confirmed since: try an older one.
-            self._failed_paths.add(self._last_restored_path)
+    def _checkpoint_payload(self, now: int) -> Optional[Payload]:
         # Rank 0 alone lists, reads and checks the files; the others receive its choice and its tensors, so
         # no shared filesystem is needed and every rank restores the same state (or gives up together).
-        found = self._read_checkpoint() if distributed.get_rank() == 0 else None
-        path = distributed.broadcast_object(found[0] if found else None)
-        if path is None:
+        found = self._read_own_checkpoint(now) if distributed.get_rank() == 0 else None
+        meta = distributed.broadcast_object(None if found is None else (found.source, found.iteration, found.epoch))
+        if meta is None:
             return None
-        payload = distributed.broadcast_payload(found[1] if found else None)
+        state = distributed.broadcast_payload(found.state if found is not None else None)
         if found is None:
-            self.io.log(f"NanGuard: received checkpoint {path} from rank 0")
-        self._last_restored_path = path
-        return payload, {"source": path, "iteration": int(payload["meta"]["iter"])}, None
+            self.io.log(f"NanGuard: received checkpoint {meta[0]} from rank 0")
+        self._tried.add(meta[0])
+        return Payload(state, meta[1], meta[2], source=meta[0], strict=False)
 
-    def _read_checkpoint(self) -> Optional[Tuple[str, Dict[str, Any]]]:
-        for path in self.io.checkpoint_candidates():
-            if path in self._failed_paths:
+    def _read_own_checkpoint(self, now: int) -> Optional[Payload]:
+        candidates: List[Tuple[int, str, Payload]] = []
+        foreign: List[str] = []
+        for path in self.io.checkpoint_files():
+            if path in self._tried:
                 continue
             try:
-                payload = self.io.load_payload(path)
+                payload, guard_state = self.io.read_checkpoint(path)
             except Exception as exc:  # a truncated or foreign file must not end the recovery
                 self.io.log(f"NanGuard: skipping checkpoint {path}: {type(exc).__name__}: {exc}", "warning")
-                self._failed_paths.add(path)
+                self._tried.add(path)
                 continue
-            if not all_finite(iter_tensors(payload)):
-                self.io.log(f"NanGuard: skipping checkpoint {path}: it holds non-finite values", "warning")
-                self._failed_paths.add(path)
+            if (guard_state or {}).get("run_id") != self.run_id or payload.iteration > now:
+                foreign.append(f"{path} (iter {payload.iteration})")
                 continue
-            return path, payload
+            candidates.append((payload.iteration, path, payload))
+        if foreign and not self._foreign_logged:
+            self._foreign_logged = True
+            self.io.log(f"NanGuard: ignoring {len(foreign)} checkpoint(s) not written by this run before iter {now} "
+                        f"(another run's, or from an abandoned later path): {', '.join(foreign[:5])}", "warning")
+        for _, path, payload in sorted(candidates, key=lambda c: c[0], reverse=True):
+            if all_finite(iter_tensors(payload.state)):
+                return payload
+            self.io.log(f"NanGuard: skipping checkpoint {path}: it holds non-finite values", "warning")
+            self._tried.add(path)
         return None
 
+    # ------------------------------------------------------------------ records and errors
     def _give_up(self, signals: StepSignals, decision: Decision, error: type, why: str,
                  changes: Sequence[Change] = ()) -> None:
         record = self._record("gave_up", signals, decision, list(changes))
         record["why"] = why
         record["diagnosis"] = self.last_diagnosis
-        self.incidents.write(record)
         tried = "\n".join(f"  - {a}" for a in self.actions_tried) or "  (nothing yet)"
         log = self.incidents.path or "(no work dir: no incident log)"
-        msg = (f"NanGuard gave up at iter {signals.iteration + 1}: {why}. Last divergence: {decision.reason}.\n"
-               f"Tried so far:\n{tried}\nIncident log: {log}")
+        msg = (f"NanGuard gave up at iter {signals.iteration}: {why}. Last divergence: {decision.reason}.\n"
+               f"Remedies and rollbacks so far:\n{tried}\nIncident log: {log}")
         self.io.log(msg, "error")
+        self._emit(record)
         raise error(msg)
+
+    def _emit(self, record: Dict[str, Any]) -> None:
+        self.incidents.write(record)
+        for listener in self.listeners:
+            listener(record)
 
     def _record(self, event: str, signals: StepSignals, decision: Decision, changes: List[Change]) -> Dict[str, Any]:
         return {
             "event": event,
-            "iteration": signals.iteration + 1,
+            "iteration": signals.iteration,
             "reason": decision.reason,
             "verdict": decision.verdict.name,
             "signals": signals.as_dict(),
@@ -549,30 +555,29 @@ class NanGuard:
             "nan_guard/incidents": float(self.recoveries + self.stalls),
             "nan_guard/skipped_steps": float(self.skipped_steps),
         }
-        norms = [float(kw["max_norm"]) for _, kw in self.io.clip_settings() if kw and "max_norm" in kw]
+        norms = [clip.max_norm for clip in self.io.clip_settings() if clip.kind == "norm"]
         if norms:
             scalars["nan_guard/max_norm"] = min(norms)
         if loss_scale is not None:
             scalars["nan_guard/loss_scale"] = loss_scale
         self.io.update_scalars(scalars)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ outside the step
     def all_ranks_healthy(self, healthy_here: bool) -> bool:
         """Agrees across ranks on a health reading taken outside :meth:`after_iter`."""
         return distributed.reduce_max([0 if healthy_here else 1])[0] == 0
 
-    def recover_now(self, reason: str) -> None:
+    def recover_now(self, reason: str, inside: bool) -> None:
         """Runs the recovery path at once (a non-finite state found outside a step's own signals)."""
-        iteration, _ = self.io.counters()
+        iteration, _ = self.io.completed(inside)
         signals = StepSignals(iteration, weights_finite=False)
-        self._recover(signals, Decision(Verdict.DIVERGED, reason))
+        self._recover(signals, Decision(Verdict.DIVERGED, reason), inside)
         self._publish()
 
-    def check_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> None:
-        """Raises :class:`UnsafeCheckpointError` if a checkpoint's tensors are not all finite."""
-        if all_finite(iter_tensors(checkpoint.get("state_dict", checkpoint))) and all_finite(
-            iter_tensors(checkpoint.get("optimizer", {}))
-        ):
+    @staticmethod
+    def check_checkpoint(checkpoint: Dict[str, Any], what: str) -> None:
+        """Raises :class:`UnsafeCheckpointError` if a checkpoint's model or optimizer tensors are not all finite."""
+        if checkpoint_finite(checkpoint):
             return
         bad = first_nonfinite(
             (k, v) for k, v in dict(checkpoint.get("state_dict", {})).items() if isinstance(v, torch.Tensor)
@@ -583,11 +588,7 @@ class NanGuard:
         )
 
 
-def _scale_of(scaler: Any) -> Optional[float]:
-    if scaler is None:
-        return None
-    get_scale = getattr(scaler, "get_scale", None)
-    if get_scale is not None:
-        return float(get_scale())
-    scale = getattr(scaler, "loss_scale", None)
-    return float(scale) if scale is not None else None
+def checkpoint_finite(checkpoint: Dict[str, Any]) -> bool:
+    """The one "is this checkpoint finite" rule: its model weights and its optimizer state."""
+    return all_finite(iter_tensors(checkpoint.get("state_dict", checkpoint))) and all_finite(
+        iter_tensors(checkpoint.get("optimizer", {})))

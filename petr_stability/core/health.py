@@ -1,40 +1,21 @@
 """Finiteness checks over weights, buffers, optimizer state and nested checkpoint contents, as fused reductions."""
-import math
 from collections import defaultdict
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .flags import HAS_FOREACH_NORM
+from .tree import iter_tensors
 
 __all__ = [
     "iter_tensors",
     "all_finite",
     "first_nonfinite",
-    "is_finite_number",
     "model_tensors",
     "optimizer_tensors",
     "state_finite",
 ]
-
-
-def is_finite_number(value: Optional[float]) -> bool:
-    """True for a finite float; None (no reading) counts as finite."""
-    return value is None or math.isfinite(value)
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Yields every floating-point tensor inside nested dicts, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() or obj.is_complex():
-            yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from iter_tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from iter_tensors(value)
 
 
 def model_tensors(model: nn.Module, buffers: bool = True) -> List[torch.Tensor]:

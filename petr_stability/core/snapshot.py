@@ -6,7 +6,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "copies_done", "payload_nbytes", "load_optimizer_state"]
+from .tree import map_tensors
+
+__all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "copies_done", "load_optimizer_state"]
 
 
 _PIN_FAILED = False
@@ -40,33 +42,20 @@ def copy_to_host(obj: Any, reuse: Any = None, pin: bool = False) -> Any:
     waits for that mark before the host reads the copy. Non-tensor leaves (scheduler fields, history buffers)
     are deep-copied.
     """
-    if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        if (
-            isinstance(reuse, torch.Tensor)
-            and reuse.shape == src.shape
-            and reuse.dtype == src.dtype
-            and reuse.device.type == "cpu"
-            and reuse is not src
-        ):
-            reuse.copy_(src, non_blocking=pin)
-            return reuse
+
+    def copy_one(t: torch.Tensor, old: Any) -> torch.Tensor:
+        src = t.detach()
+        if (isinstance(old, torch.Tensor) and old.shape == src.shape and old.dtype == src.dtype
+                and old.device.type == "cpu" and old is not src):
+            old.copy_(src, non_blocking=pin)
+            return old
         if src.device.type == "cpu":
             return src.clone()
         out, pinned = _host_buffer(src, pin)
         out.copy_(src, non_blocking=pinned)
         return out
-    if isinstance(obj, dict):
-        r = reuse if isinstance(reuse, dict) else {}
-        out = copy.copy(obj)  # keeps the dict subclass (OrderedDict state dicts)
-        for k, v in obj.items():
-            out[k] = copy_to_host(v, r.get(k), pin)
-        return out
-    if isinstance(obj, (list, tuple)):
-        r = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
-        items = [copy_to_host(v, rv, pin) for v, rv in zip(obj, r)]
-        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
-    return copy.deepcopy(obj)
+
+    return map_tensors(obj, copy_one, like=reuse, leaf=copy.deepcopy)
 
 
 def copies_done(pin: bool, device: Any = None) -> Any:
@@ -127,29 +116,20 @@ def load_optimizer_state(optimizer: Any, state_dict: Dict[str, Any]) -> None:
         optimizer.load_state_dict(copy_to_host(state_dict))
 
 
-def payload_nbytes(obj: Any) -> int:
-    """Bytes held by the tensors inside ``obj``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(payload_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(payload_nbytes(v) for v in obj)
-    return 0
-
-
 @dataclass
 class Snapshot:
     """A host copy of the training state taken after the optimizer step of ``iteration``.
 
     Attributes:
-        iteration: the runner's iteration counter when it was taken (restoring it sets the counter back).
+        iteration: completed iterations when it was taken (restoring it sets the counter back).
         epoch: the epoch counter then.
         payload: the adapter's state dicts with every tensor on the host.
         clean_steps: healthy optimizer steps seen since; it is *confirmed* once this reaches the ring's
             ``confirm_steps`` (a state on a path that is already diverging is not a state to return to).
         failed: a divergence recurred after restoring it and before any newer snapshot was confirmed.
         copied: the event that marks the end of its device-to-host copies (None when they were synchronous).
+        generation: the guard's recovery count when it was taken (a confirmed snapshot of the current generation
+            means the latest recovery held).
     """
 
     iteration: int
@@ -159,6 +139,7 @@ class Snapshot:
     failed: bool = False
     nbytes: int = field(default=0)
     copied: Any = field(default=None, repr=False)
+    generation: int = 0
 
     def ready_payload(self) -> Dict[str, Any]:
         """The payload, after its asynchronous copies (if any) have landed; the only way the host should read it.

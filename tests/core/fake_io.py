@@ -6,7 +6,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from petr_stability.core.guard import GuardConfig, GuardIO, NanGuard
+from petr_stability.core.guard import GuardConfig, NanGuard
+from petr_stability.core.port import ClipSetting, GuardIO, Payload, StepReading
 from petr_stability.core.remedies import ClipProbe
 
 
@@ -65,35 +66,35 @@ class FakeIO(GuardIO):
     def optimizers(self):
         return [self.opt]
 
+    def install_probes(self, skip_nonfinite_fp32):
+        self.probe.skip_nonfinite = skip_nonfinite_fp32 and self.mode == "none"
+
     def read_step(self):
-        return self.probe.read()
+        stepped, norm, skipped = self.probe.read()
+        return StepReading(stepped, norm, skipped, self.last_loss)
 
-    def loss(self):
-        return self.last_loss
+    def scale_mode(self):
+        return self.mode
 
-    def scaler(self):
-        if self.mode == "none":
-            return None, "none"
-        return self, self.mode
-
-    def get_scale(self):
-        return self.scale
+    def loss_scale(self):
+        return None if self.mode == "none" else self.scale
 
     def clip_settings(self):
-        return [("clip.max_norm", self.clip)]
+        return [ClipSetting("clip.max_norm", self.clip)]
 
     def capture(self):
-        return {"meta": {"iter": self.iter, "epoch": self.epoch}, "state_dict": self.net.state_dict(),
-                "optimizer": self.opt.state_dict()}
+        return {"state_dict": self.net.state_dict(), "optimizer": self.opt.state_dict()}
 
     def restore(self, payload):
-        self.net.load_state_dict(payload["state_dict"])
-        self.opt.load_state_dict(copy.deepcopy(payload["optimizer"]))
-        self.iter = payload["meta"]["iter"]
-        self.restores.append(self.iter)
+        self.net.load_state_dict(payload.state["state_dict"])
+        self.opt.load_state_dict(copy.deepcopy(payload.state["optimizer"]))
+        self.restores.append(payload.iteration)
 
-    def counters(self):
+    def counter(self):
         return self.iter, self.epoch
+
+    def set_counter(self, value):
+        self.iter = value
 
     def log(self, msg, level="info"):
         self.logs.append((level, msg))
@@ -101,20 +102,24 @@ class FakeIO(GuardIO):
     def update_scalars(self, scalars):
         self.scalars.update(scalars)
 
-    def checkpoint_candidates(self):
+    def checkpoint_files(self):
         return list(self.ckpts)
 
-    def load_payload(self, path):
+    def read_checkpoint(self, path):
+        """``loaded[path]`` is (state, completed iterations, guard state)."""
         if path not in self.loaded:
             raise OSError(f"truncated file {path}")
-        return copy.deepcopy(self.loaded[path])
+        state, iteration, guard_state = copy.deepcopy(self.loaded[path])
+        return Payload(state, iteration, 0, source=path, strict=False), guard_state
 
 
 def make_guard(io: FakeIO, **kwargs: Any) -> NanGuard:
     cfg = dict(snapshot_interval=5, confirm_steps=3, check_interval=4)
     cfg.update(kwargs)
     guard = NanGuard(GuardConfig(**cfg), io)
+    io.install_probes(guard.config.skip_nonfinite_fp32)
     guard.setup()
+    guard.capture_start()
     return guard
 
 

@@ -15,7 +15,8 @@ from petr_stability.core.flags import HAS_SAFE_GLOBALS
 from petr_stability.core.health import iter_tensors
 from petr_stability.core.incidents import IncidentLog, read_incidents
 from petr_stability.core.safe_load import safe_load
-from petr_stability.core.snapshot import Snapshot, SnapshotRing, copy_to_host, payload_nbytes
+from petr_stability.core.snapshot import Snapshot, SnapshotRing, copy_to_host
+from petr_stability.core.tree import nbytes as payload_nbytes
 
 
 def snap(i):

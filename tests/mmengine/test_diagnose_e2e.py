@@ -43,7 +43,7 @@ def test_poisoned_attention_projection_is_named_and_hooks_never_stay(tmp_path):
     # The same batch on the last healthy weights trains fine: the weights went bad, not the data.
     assert diag["on_healthy_weights"]["reproduced"] is False
     assert counter.counts == [0] * len(counter.counts) and len(counter.counts) >= 7
-    assert guard_hook(runner).io._batch is None  # the batch is not held between iterations
+    assert guard_hook(runner).guard.batch is None  # the batch is not held between iterations
 
 
 def test_batch_pushing_the_backbone_past_fp16_range_is_named(tmp_path):

@@ -11,7 +11,7 @@ from mmengine.config import Config
 from mmengine.registry import HOOKS
 
 import petr_stability
-from petr_stability import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError, read_incidents
+from petr_stability import NanGuardGaveUp, UnsafeCheckpointError, read_incidents
 from petr_stability.core.safe_load import safe_load
 from petr_stability.testing.petr_like import SEED_LAYER_CFG
 
@@ -52,7 +52,8 @@ def test_poisoned_weights_recover_finish_and_checkpoints_stay_finite(tmp_path):
     assert rec["event"] == "divergence" and rec["signals"]["weights_finite"] is False
     # PETR's nan_to_num: the poisoned step still logged a finite loss.
     assert math.isfinite(rec["signals"]["loss"])
-    assert rec["restored_from"] == {"source": "memory", "iteration": 14, "iteration_now": 14}
+    assert rec["iteration"] == 22 and rec["signals"]["iteration"] == 22  # one numbering: 1-based, as logged
+    assert rec["restored_from"] == {"source": "memory", "iteration": 15}
     assert rec["iterations_lost"] == 7
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
     assert set(dropouts(runner)) == {0.0}
@@ -151,7 +152,7 @@ def test_lr_after_rollback_is_the_one_the_restored_counter_implies(tmp_path):
     lr_bad = list(bad.message_hub.get_scalar("train/lr").data[0])
     # The history was rolled back with the state: the tail equals the clean run iteration for iteration.
     assert lr_bad[-12:] == pytest.approx(lr_clean[-12:])
-    assert read_incidents(str(tmp_path / "bad"))[0]["restored_from"]["iteration"] == 4
+    assert read_incidents(str(tmp_path / "bad"))[0]["restored_from"]["iteration"] == 5
 
 
 def test_resume_keeps_remedies_and_counters(tmp_path):
@@ -180,11 +181,15 @@ def test_endless_divergence_stops_cleanly_in_bounded_time(tmp_path):
     assert read_incidents(str(tmp_path))[-1]["event"] == "gave_up"
 
 
-def test_divergence_before_any_healthy_state(tmp_path):
+def test_divergence_before_any_snapshot_recovers_from_the_runs_start_state(tmp_path):
+    # Iteration 1 is a calibration overflow of the dynamic scale (no snapshot), iteration 2 is poisoned: the only
+    # state of this run is the one it started from (issue: such runs used to stop with NoHealthyStateError).
     runner = build_runner(str(tmp_path), amp="dynamic", max_iters=20, guard=GUARD, model_kwargs=SMALL,
                           faults=[dict(kind="weights", iters=[2], value="nan")])
-    with pytest.raises(NoHealthyStateError, match="no snapshot is confirmed yet"):
-        runner.train()
+    runner.train()
+    (rec,) = read_incidents(str(tmp_path))
+    assert rec["restored_from"] == {"source": "start", "iteration": 0} and rec["iterations_lost"] == 2
+    assert runner.iter == 20 and params_finite(runner)
 
 
 def test_no_clip_grad_gets_an_observing_clip(tmp_path):
@@ -220,8 +225,8 @@ def test_loading_a_nonfinite_checkpoint_is_refused(tmp_path):
     "kwargs, needle",
     [
         (dict(snapshot_interval=0), "snapshot_interval must be an integer >= 1, got 0"),
-        (dict(remedies=["clip", "reboot"]), "unknown remedy 'reboot'"),
-        (dict(max_norm=-1), "max_norm must be a finite number > 0, got -1"),
+        (dict(remedies=["clip", "reboot"]), "remedies: unknown entry 'reboot'"),
+        (dict(max_norm=-1), "max_norm must be a number > 0, got -1"),
     ],
 )
 def test_bad_hook_arguments_fail_at_build_time(kwargs, needle):

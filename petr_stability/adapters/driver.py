@@ -1,0 +1,190 @@
+"""The one driver: the order of the guard's work over a training run, for every runner family.
+
+Each runner family's hook builds a :class:`~petr_stability.core.port.GuardIO` for its runner and calls the driver
+at its lifecycle points; the driver decides what happens there and in which order:
+
+============================  =========================================================================
+driver call                   what happens, in order
+============================  =========================================================================
+``bind(io)``                  the guard is built (a resumed state can be loaded from here on)
+``load_state(state)``         a checkpoint's guard state (``resume``): counters, remedies, run id
+``start()``                   clip probes installed, resumed remedies re-applied, start state kept,
+                              pre-flight findings logged
+``before_iter(batch)``        the batch (a reference) and the RNG state (a host copy) kept for a diagnosis
+``after_iter()``              verdict, snapshot or recovery; state stored for the next save; on giving up
+                              the runner's files are left pointing at finite ones, then the error
+``after_epoch(healthy)``      an agreed health check outside a step (a save the step did not see)
+``before_save(ckpt)``         the checkpoint is finite (else recovered first, single process) and carries
+                              the guard's state
+``after_load(ckpt, resume)``  a non-finite checkpoint is refused; ``resume`` restores the guard's state
+============================  =========================================================================
+
+After every incident (and on giving up) rank 0 writes ``<work_dir>/nan_guard_patched_config.py``.
+"""
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+from ..core.diagnose import capture_rng
+from ..core.distributed import get_rank, get_world_size, is_distributed
+from ..core.errors import NanGuardError, UnsafeCheckpointError
+from ..core.guard import GuardConfig, NanGuard, checkpoint_finite
+from ..core.port import ClipSetting, GuardIO, RunConfig
+from ..tools.patch_config import write_patched_config
+from ..tools.preflight import check_runner_config, log_findings
+
+__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "write_config_fix"]
+
+#: File the driver writes into the work dir after an incident, so that the next run starts stable.
+PATCHED_CONFIG_FILE = "nan_guard_patched_config.py"
+#: Key of the guard's state in a checkpoint (MMEngine) or in ``runner.meta`` (MMCV 1.x).
+STATE_KEY = "nan_guard"
+
+
+class GuardDriver:
+    """Runs the guard over one training run; the runner hooks only forward their lifecycle points to it.
+
+    Args:
+        config: the guard's settings (the hook's arguments).
+    """
+
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self.io: Optional[GuardIO] = None
+        self.guard: Optional[NanGuard] = None
+        #: True between an iteration's start and the end of its epoch (the loop's own counter increment follows
+        #: the iteration's last hook): decides how the runner's counter converts to completed iterations.
+        self.inside = False
+
+    def bind(self, io: GuardIO) -> NanGuard:
+        """Builds the guard over ``io`` (at the run's start, before any checkpoint is loaded)."""
+        self.io = io
+        self.guard = NanGuard(self.config, io)
+        self.guard.listeners.append(self._after_incident)
+        return self.guard
+
+    def load_state(self, state: Optional[Dict[str, Any]]) -> None:
+        """Restores the guard's state saved in a checkpoint (a resumed run keeps remedies, counters, run id)."""
+        if state:
+            self.guard.load_state_dict(state)
+
+    def start(self) -> None:
+        """Before the first iteration: probes, resumed remedies, the start state, pre-flight findings."""
+        self.io.install_probes(self.config.skip_nonfinite_fp32)
+        self.guard.setup()
+        self.guard.capture_start()
+        self.io.store_state(self.state_dict())
+        self._log_preflight()
+
+    def before_iter(self, batch: Any = None) -> None:
+        """As an iteration starts: what a diagnosis of it would need (a reference and a host RNG copy)."""
+        self.inside = True
+        if self.config.diagnose:
+            self.guard.batch, self.guard.rng = batch, capture_rng()
+
+    def after_iter(self) -> None:
+        """After the iteration's optimizer step (and, in MMCV 1.x, its checkpoint save)."""
+        self._guarded(self.guard.after_iter)
+        self.guard.batch = self.guard.rng = None
+        self.io.store_state(self.state_dict())
+        self.io.after_step()
+
+    def after_epoch(self, healthy_here: Optional[bool] = None) -> None:
+        """The epoch's last iteration was counted; with ``healthy_here``, an agreed health check outside a step
+        (MMCV 1.x: the epoch's checkpoint was written before this point)."""
+        self.inside = False
+        if healthy_here is None:
+            return
+        if not self.guard.all_ranks_healthy(healthy_here):
+            self._guarded(lambda: self.guard.recover_now("non-finite state at the end of the epoch", inside=False))
+        self.io.store_state(self.state_dict())
+        self.io.after_step()
+
+    def before_save(self, checkpoint: Dict[str, Any], refill: Callable[[Dict[str, Any], int], None]) -> None:
+        """A checkpoint about to be written: finite, and carrying the guard's state.
+
+        Args:
+            checkpoint: the dict being saved (edited in place).
+            refill: rewrites ``checkpoint`` from the live state after a recovery, given the completed iterations.
+        """
+        if not checkpoint_finite(checkpoint):
+            if is_distributed():
+                # Saves run on rank 0 alone, where no collective may run; after_iter already checked this state
+                # on every rank, so this save comes from outside the train loop: refuse it.
+                raise UnsafeCheckpointError("NanGuard: refusing to save a checkpoint with non-finite values")
+            self.guard.recover_now("non-finite state found while saving a checkpoint", inside=self.inside)
+            refill(checkpoint, self.io.completed(self.inside)[0])
+        checkpoint[STATE_KEY] = self.state_dict()
+
+    def after_load(self, checkpoint: Dict[str, Any], resuming: bool, state: Optional[Dict[str, Any]]) -> None:
+        """A checkpoint was loaded: refuse a non-finite one; on ``resume`` take the guard's state from it."""
+        try:
+            self.guard.check_checkpoint(checkpoint, "the checkpoint being loaded")
+        except UnsafeCheckpointError:
+            self.io.log("NanGuard: refusing a non-finite checkpoint", "error")
+            raise
+        if resuming:
+            self.load_state(state)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The guard's state, as checkpoints carry it."""
+        return self.guard.state_dict()
+
+    # ------------------------------------------------------------------ internals
+    def _guarded(self, step: Callable[[], Any]) -> None:
+        try:
+            step()
+        except NanGuardError:
+            self.io.before_give_up()
+            raise
+
+    def _after_incident(self, record: Dict[str, Any]) -> None:
+        if self.config.write_patched_config and get_rank() == 0 and self.io.work_dir:
+            write_config_fix(self.io.run_config(), self.io.work_dir, self.io.clip_settings(), self.io.log)
+
+    def _log_preflight(self) -> None:
+        # The same checks as `petr-stability check`, on the run's effective config and its real world size;
+        # rank 0 alone, so that an 8-GPU job does not log every finding 8 times. Never fails the run.
+        run_config = self.io.run_config()
+        if run_config is None or get_rank() != 0:
+            return
+        try:
+            findings = check_runner_config(run_config.config, get_world_size(), log=self.io.log)
+            log_findings(findings, self.io.log)
+        except Exception as exc:
+            self.io.log(f"NanGuard: pre-flight check failed ({type(exc).__name__}: {exc}); training goes on",
+                        "warning")
+
+
+def write_config_fix(run_config: Optional[RunConfig], work_dir: str, clips: List[ClipSetting],
+                     log: Callable[..., None]) -> Optional[str]:
+    """Writes ``<work_dir>/nan_guard_patched_config.py``: the run's effective config with the remedies applied.
+
+    Args:
+        run_config: the run's effective config and the file it came from, or None.
+        work_dir: the run's work dir.
+        clips: the live clip settings; their tightest finite ``max_norm`` goes into the file.
+        log: the adapter's logger.
+
+    Returns:
+        The path written, or None (no config, or one the patcher cannot read: logged, never raised, because a
+        failure here must not end a recovered run).
+    """
+    if run_config is None or run_config.config is None:
+        log("NanGuard: the runner holds no config; skipped writing a patched config", "warning")
+        return None
+    norms = [c.max_norm for c in clips if c.kind == "norm" and c.max_norm is not None and c.max_norm < float("inf")]
+    max_norm = min(norms) if norms else 1.0
+    out = os.path.join(work_dir, PATCHED_CONFIG_FILE)
+    original = run_config.filename if run_config.filename and os.path.isfile(run_config.filename) else None
+    try:
+        result = write_patched_config(run_config.config, out, max_norm=max_norm, original_path=original)
+    except Exception as exc:  # a config the patcher cannot read must not end a recovered run
+        log(f"NanGuard: could not write a patched config ({type(exc).__name__}: {exc})", "warning")
+        return None
+    kind = "a child config of " + original if result.kind == "child" else "a flattened, self-contained config"
+    log(f"NanGuard: wrote {out}, {kind} with the known manual fix (transformer dropout 0, max_norm {max_norm:g}; "
+        f"{len(result.changes)} change(s)): start the next run from it to keep the fix (docs/troubleshooting.md)")
+    for note in result.notes:
+        log(f"NanGuard:   note: {note}", "warning")
+    return out
+

@@ -1,0 +1,55 @@
+"""Argument checks shared by every constructor: each error names the argument and the bad value."""
+import math
+from typing import Any, List, Sequence
+
+__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_list", "check_names"]
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """An ``int`` (not a bool) >= ``minimum``; raises ``ValueError`` naming ``value`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A real ``bool``; raises ``TypeError`` naming ``value`` otherwise (``0``/``'no'`` are not accepted)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_number(name: str, value: Any, above: float = 0.0, finite: bool = True) -> float:
+    """A real number > ``above`` (and finite unless ``finite=False``); raises ``ValueError`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not value > above:
+        raise ValueError(f"{name} must be a number > {above:g}, got {value!r}")
+    if finite and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number > {above:g}, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """One of ``choices``; raises ``ValueError`` naming ``value`` and the choices otherwise."""
+    if isinstance(value, (list, dict, set)) or value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_list(name: str, value: Any) -> List[Any]:
+    """A list or tuple (not a string, not None); raises ``TypeError`` naming ``value`` otherwise."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list, got {value!r}")
+    return list(value)
+
+
+def check_names(name: str, value: Any, allowed: Sequence[str] = ()) -> List[str]:
+    """A list or tuple of strings (``allowed`` ones where given); the string itself, None, or a non-string
+    element is refused, naming it."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of strings, got {value!r}")
+    for item in value:
+        if not isinstance(item, str):
+            raise TypeError(f"{name} must be a list of strings, got the element {item!r} in {value!r}")
+        if allowed and item not in allowed:
+            raise ValueError(f"{name}: unknown entry {item!r}; choose from {list(allowed)}")
+    return list(value)
