@@ -259,7 +259,15 @@ class MMCV1IO(GuardIO):
         self._suspended_keep = []
 
     def after_recovery(self, state: Dict[str, Any], inside: bool) -> None:
-        """Rewrites every poisoned checkpoint from the live (restored) state, atomically."""
+        """Rewrites every poisoned checkpoint from the live (restored) state, atomically.
+
+        Also keeps the timing hooks' arithmetic valid: ``TextLoggerHook`` divides by ``iter - start_iter + 1``,
+        which a rollback to the run's start state (counter -1 until the loop's increment) would make 0.
+        """
+        for hook in self.runner.hooks:
+            start = getattr(hook, "start_iter", None)
+            if isinstance(start, int) and start > self.runner.iter:
+                hook.start_iter = self.runner.iter
         at_epoch_end = not inside
         meta_base = dict(self.runner.meta or {})
         for path in self.poisoned_saves:
@@ -270,7 +278,8 @@ class MMCV1IO(GuardIO):
             optimizer = self.runner.optimizer
             mmcv_save_checkpoint(self.model(), tmp, optimizer=optimizer, meta=meta)
             os.replace(tmp, path)
-            self.log(f"NanGuard: rewrote {path} from the restored state (iter {self.runner.iter})", "warning")
+            done = self.runner.iter + (0 if at_epoch_end else 1)
+            self.log(f"NanGuard: rewrote {path} from the restored state (iter {done})", "warning")
         self.poisoned_saves = []
 
     def before_give_up(self) -> None:

@@ -81,7 +81,8 @@ def test_static_512_epoch_runner_recovers_from_poisoned_weights(tmp_path):
 
 def test_dynamic_iter_runner_recovers_and_counts_max_iters(tmp_path):
     wd = str(tmp_path)
-    r = build_runner(wd, runner="iter", amp="dynamic", max_iters=20, guard=FAST,
+    # Rollback alone: this test is about the counters; what max_norm 1 costs in 10 iterations is the demo's measure.
+    r = build_runner(wd, runner="iter", amp="dynamic", max_iters=20, guard=dict(FAST, remedies=["rollback"]),
                      faults=[dict(kind="weights", iters=[10])], checkpoint=dict(interval=5))
     executed = LRRecorder()
     r.register_hook(executed)
@@ -90,7 +91,7 @@ def test_dynamic_iter_runner_recovers_and_counts_max_iters(tmp_path):
     g = guard_hook(r).guard
     assert g.recoveries == 1 and r.iter == 20
     assert len(executed.steps) == 20 + g.iterations_lost  # counted steps stay max_iters; data moved on
-    assert g.iterations_lost >= 1
+    assert g.iterations_lost == 2  # iteration 10 diverged; the unconfirmed snapshot of 8 is the newest state
     assert params_finite(r) and mean_loss(r) < start
     for name in ("iter_5.pth", "iter_10.pth", "iter_15.pth", "iter_20.pth", "latest.pth"):
         assert ckpt_finite(os.path.join(wd, name)), name
@@ -230,14 +231,15 @@ def test_fault_on_last_iteration_of_iter_run_rewrites_its_checkpoint(tmp_path):
 
 
 def test_max_keep_ckpts_1_keeps_the_healthy_file_a_poisoned_save_would_delete(tmp_path):
-    # No snapshot can be confirmed, so the only way back is the previous checkpoint, which MMCV would delete.
+    # The poisoned save of iteration 6 must not make MMCV delete iter_5.pth; the run recovers from memory and
+    # every file left on disk is finite.
     wd = str(tmp_path)
     r = build_runner(wd, runner="iter", amp=DYN, max_iters=10, guard=dict(FAST, confirm_steps=1000),
                      faults=[dict(kind="weights", iters=[6])], checkpoint=dict(interval=1, max_keep_ckpts=1))
     run(r)
     g = guard_hook(r).guard
     assert g.recoveries == 1 and r.iter == 10 and params_finite(r)
-    assert divergences(wd)[0]["restored_from"]["source"].endswith("iter_5.pth")
+    assert divergences(wd)[0]["restored_from"] == {"source": "memory", "iteration": 4}
     assert ckpt_finite(os.path.join(wd, "latest.pth"))
     assert all(ckpt_finite(os.path.join(wd, f)) for f in os.listdir(wd) if f.endswith(".pth"))
 

@@ -1,0 +1,185 @@
+"""The runner families the contract suite runs over: each builds a small fp16 PETR-shaped run the same way.
+
+A family is whatever this environment can run: the plain torch loop always, MMEngine where it is installed,
+MMCV 1.x where it is. Every test in test_contract.py runs over each of them.
+"""
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from petr_stability.adapters.driver import GuardDriver
+from petr_stability.adapters.torch_loop import TorchLoopIO
+from petr_stability.core.faults import FaultPlan
+from petr_stability.core.flags import make_grad_scaler
+from petr_stability.core.guard import GuardConfig
+from petr_stability.testing.stacks import has_mmcv1, has_mmengine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class TinyDetector(nn.Module):
+    """A transformer decoder layer (dropout 0.1) over a projection: the torch loop's stand-in for PETR."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(16, 32)
+        self.layer = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.1)
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return self.out(self.layer(h, h)).pow(2).mean()
+
+
+class TorchLoopRun:
+    """A hand-written fp16 loop (CPU autocast + GradScaler) behind TorchLoopIO and the driver."""
+
+    def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
+                 state: Optional[Dict[str, Any]] = None) -> None:
+        self.iters = iters
+        self.model = TinyDetector()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-4)
+        clip_kwargs = {"norm": {"max_norm": 35.0, "norm_type": 2}, "none": None}[clip]
+        self.io = TorchLoopIO(self.model, self.opt, make_grad_scaler("cpu", init_scale=64.0), clip_kwargs,
+                              work_dir, log_fn=lambda msg: None,
+                              config={"model": {"type": "TinyDetector"}, "optim_wrapper": {"clip_grad": clip_kwargs}})
+        self.driver = GuardDriver(GuardConfig(**guard))
+        self.driver.bind(self.io)
+        self.driver.load_state(state)
+        self.plan = FaultPlan(faults)
+        torch.manual_seed(1)
+        self.data = [torch.randn(8, 2, 16) for _ in range(iters * 2)]
+
+    def train(self) -> None:
+        self.driver.start()
+        step = 0
+        while self.io.iter < self.iters:
+            batch = self.data[step % len(self.data)]
+            step += 1
+            self.plan.inject(self.io.iter, 0, self.model, batch)
+            self.driver.before_iter(batch)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = self.model(batch)
+            self.opt.zero_grad()
+            scaler = self.io.grad_scaler
+            scaler.scale(loss).backward()
+            scaler.unscale_(self.opt)
+            self.io.clip(self.model.parameters())
+            scaler.step(self.opt)
+            scaler.update()
+            self.plan.disarm()
+            self.io.last_loss = float(loss)
+            self.driver.after_iter()
+            self.io.iter += 1
+
+    # what the contract reads
+    @property
+    def guard(self) -> Any:
+        return self.driver.guard
+
+    def clip_kwargs(self) -> Dict[str, Any]:
+        return self.io.clip_kwargs
+
+    def completed(self) -> int:
+        return self.io.iter
+
+    def params_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def dropouts(self) -> List[float]:
+        return [m.p for m in self.model.modules() if isinstance(m, nn.Dropout)]
+
+    def saved_state(self) -> Dict[str, Any]:
+        return json.loads(json.dumps(self.driver.state_dict()))
+
+
+class MMEngineRun:
+    """A real MMEngine Runner (tests/mmengine/harness.py) with the CPU fp16 AmpOptimWrapper."""
+
+    def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
+                 checkpoint: Optional[dict] = None, resume: bool = False, cfg: Optional[dict] = None) -> None:
+        sys.path.insert(0, os.path.join(HERE, "..", "mmengine"))
+        from harness import build_runner
+
+        clip_grad = {"norm": dict(max_norm=35, norm_type=2), "value": dict(type="value", clip_value=1.0),
+                     "none": None}[clip]
+        self.runner = build_runner(work_dir, amp=dict(init_scale=64.0), max_iters=iters, guard=guard, faults=faults,
+                                   model_kwargs=dict(num_layers=1, num_query=16), clip_grad=clip_grad,
+                                   checkpoint=checkpoint, resume=resume, cfg=cfg)
+        self.hook = next(h for h in self.runner.hooks if type(h).__name__ == "NanGuardHook")
+
+    def train(self) -> None:
+        self.runner.train()
+
+    @property
+    def guard(self) -> Any:
+        return self.hook.guard
+
+    def clip_kwargs(self) -> Dict[str, Any]:
+        return self.runner.optim_wrapper.clip_grad_kwargs
+
+    def completed(self) -> int:
+        return self.runner.iter
+
+    def params_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.runner.model.parameters())
+
+    def dropouts(self) -> List[float]:
+        head = self.runner.model.net.pts_bbox_head
+        return [m.p for m in head.modules() if isinstance(m, nn.Dropout)]
+
+
+class MMCV1Run:
+    """A real MMCV 1.x IterBasedRunner (tests/mmcv1/harness.py) with the CPU Fp16OptimizerHook."""
+
+    def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
+                 checkpoint: Optional[dict] = None, meta: Optional[dict] = None) -> None:
+        sys.path.insert(0, os.path.join(HERE, "..", "mmcv1"))
+        from harness import build_runner
+
+        grad_clip = {"norm": dict(max_norm=35, norm_type=2), "none": None}[clip]
+        self.runner = build_runner(work_dir, runner="iter", amp=dict(init_scale=64.0), max_iters=iters, guard=guard,
+                                   faults=faults, grad_clip=grad_clip, checkpoint=checkpoint, meta=meta)
+        self.hook = next(h for h in self.runner.hooks if type(h).__name__ == "NanGuardHook")
+
+    def train(self) -> None:
+        self.runner.run([self.runner.loader], [("train", 1)])
+
+    @property
+    def guard(self) -> Any:
+        return self.hook.guard
+
+    def clip_kwargs(self) -> Dict[str, Any]:
+        hook = next(h for h in self.runner.hooks if hasattr(h, "clip_grads"))
+        return hook.grad_clip
+
+    def completed(self) -> int:
+        return self.runner.iter
+
+    def params_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.runner.model.parameters())
+
+    def dropouts(self) -> List[float]:
+        return [m.p for m in self.runner.model.modules() if isinstance(m, nn.Dropout)
+                and "backbone" not in type(m).__module__]
+
+
+#: (name, builder) of the families this environment runs.
+FAMILIES = [("torch_loop", TorchLoopRun)]
+if has_mmengine():
+    FAMILIES.append(("mmengine", MMEngineRun))
+if has_mmcv1():
+    FAMILIES.append(("mmcv1", MMCV1Run))
+
+#: Small and deterministic: snapshots every 5 iterations, confirmed after 3 clean steps.
+GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value)

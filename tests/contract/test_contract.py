@@ -1,0 +1,162 @@
+"""The adapter contract: the same behaviour over every runner family installed here (docs/runners.md).
+
+A new runner family is one GuardIO subclass plus a builder in families.py; passing this file is what makes it
+supported. Triggers are planted faults at fixed iterations (1-based, as logged).
+"""
+import glob
+import json
+import os
+import re
+
+import pytest
+from families import FAMILIES, GUARD, MMCV1Run, MMEngineRun, TorchLoopRun
+
+from petr_stability import read_incidents
+from petr_stability.adapters.driver import GuardDriver
+from petr_stability.core.guard import GuardConfig
+from petr_stability.testing.stacks import has_mmcv1
+
+NAMES = [name for name, _ in FAMILIES]
+BUILD = dict(FAMILIES)
+
+
+def build(family, work_dir, iters=20, guard=None, faults=(), clip="norm", **kwargs):
+    return BUILD[family](str(work_dir), iters, dict(GUARD, **(guard or {})), list(faults), clip, **kwargs)
+
+
+def weights(at):
+    return dict(kind="weights", iters=[at], value="nan")
+
+
+BAD_ARGS = [
+    (dict(dropout_exclude=None), TypeError, "dropout_exclude must be a list of strings, got None"),
+    (dict(dropout_exclude=[1, 2]), TypeError, "got the element 1 in [1, 2]"),
+    (dict(dropout_exclude="backbone"), TypeError, "got 'backbone'"),
+    (dict(remedies=None), TypeError, "remedies must be a list of strings, got None"),
+    (dict(remedies=["clip", 3]), TypeError, "got the element 3"),
+    (dict(max_norm=None), ValueError, "max_norm must be a number > 0, got None"),
+    (dict(max_norm_schedule=[1, "x"]), ValueError, "got 'x'"),
+    (dict(patience=None), ValueError, "patience must be an integer >= 1, got None"),
+    (dict(snapshot_interval="5"), ValueError, "snapshot_interval must be an integer >= 1, got '5'"),
+    (dict(write_patched_config=None), TypeError, "write_patched_config must be a bool, got None"),
+    (dict(snapshot_copies=None), ValueError, "snapshot_copies must be one of ['rank', 'node'], got None"),
+]
+
+
+@pytest.mark.parametrize("family", NAMES)
+@pytest.mark.parametrize("kwargs, err, needle", BAD_ARGS)
+def test_every_argument_is_validated_at_build_naming_the_bad_value(family, kwargs, err, needle):
+    if family == "torch_loop":
+        with pytest.raises(err, match=re.escape(needle)):
+            GuardDriver(GuardConfig(**kwargs))
+        return
+    if family == "mmengine":
+        from mmengine.registry import HOOKS
+    else:
+        from mmcv.runner import HOOKS
+    with pytest.raises(err, match=re.escape(needle)):
+        HOOKS.build(dict(type="NanGuardHook", **kwargs))
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_recovery_applies_the_known_manual_fix_and_writes_the_patched_config(family, tmp_path):
+    run = build(family, tmp_path, iters=20, faults=[weights(12)],
+                **({"meta": {"config": "model = dict(type='PETRLike', pts_bbox_head=dict(transformer=dict("
+                                       "decoder=dict(transformerlayers=dict(attn_cfgs=[dict(dropout=0.1)])))))\n"
+                                       "optimizer_config = dict(grad_clip=dict(max_norm=35, norm_type=2))\n"}}
+                   if family == "mmcv1" else {}))
+    run.train()
+    assert run.completed() == 20 and run.params_finite()
+    (rec,) = read_incidents(str(tmp_path))
+    assert rec["event"] == "divergence" and rec["iteration"] == 12 and rec["signals"]["iteration"] == 12
+    assert rec["restored_from"] == {"source": "memory", "iteration": 5}  # confirmed: 3 clean steps after 5
+    assert rec["iterations_lost"] == 12 - 5
+    assert run.clip_kwargs()["max_norm"] == 1.0 and set(run.dropouts()) == {0.0}
+    if family != "mmengine":  # the MMEngine harness builds its Runner without a config (its e2e tests cover it)
+        assert os.path.isfile(tmp_path / "nan_guard_patched_config.py"), "no patched config after the incident"
+
+
+@pytest.mark.parametrize("family", NAMES)
+@pytest.mark.parametrize("clip", ["norm", "value", "none"])
+def test_each_clip_configuration_survives_a_recovery(family, clip, tmp_path):
+    if clip == "value" and family != "mmengine":
+        pytest.skip(f"{family} clips by norm only")
+    run = build(family, tmp_path, iters=16, faults=[weights(12)], clip=clip)
+    run.train()  # value clipping used to crash right after the recovery (KeyError: 'max_norm')
+    assert run.completed() == 16 and run.params_finite() and run.guard.recoveries == 1
+    kwargs = run.clip_kwargs()
+    if clip == "value":
+        assert kwargs == {"clip_value": 1.0}  # left alone: a per-element bound is not a norm bound
+    else:
+        assert kwargs["max_norm"] == 1.0  # 35 -> 1, or the observing clip (inf) -> 1
+
+
+@pytest.mark.parametrize("family", NAMES)
+@pytest.mark.parametrize("at", [2, 16])
+def test_divergence_on_the_first_steps_and_on_the_last_iteration_recovers(family, at, tmp_path):
+    run = build(family, tmp_path, iters=16, faults=[weights(at)])
+    run.train()
+    assert run.params_finite() and run.guard.recoveries == 1
+    (rec,) = read_incidents(str(tmp_path))
+    assert rec["iteration"] == at and rec["restored_from"]["iteration"] < at
+    assert run.completed() == 16  # the lost iterations are run again
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_state_round_trips_through_json_and_loading_it_twice_changes_nothing(family, tmp_path):
+    run = build(family, tmp_path, iters=16, faults=[weights(12)])
+    run.train()
+    state = json.loads(json.dumps(run.guard.state_dict()))
+    assert state["recoveries"] == 1 and state["dropout_zeroed"] and state["clip"]
+    run.clip_kwargs()["max_norm"] = 35.0  # as a resumed run's freshly built optimizer has it
+    run.guard.load_state_dict(state)
+    run.guard.load_state_dict(state)
+    assert run.guard.state_dict() == state
+    run.guard.setup()  # the remedies come back on a resumed run
+    assert run.clip_kwargs()["max_norm"] == 1.0 and set(run.dropouts()) == {0.0}
+
+
+@pytest.mark.parametrize("family", [n for n in NAMES if n != "torch_loop"])
+def test_fallback_checkpoints_are_found_under_the_checkpoint_hooks_out_dir(family, tmp_path):
+    out = tmp_path / "ckpts"
+    run = build(family, tmp_path / "wd", iters=10, checkpoint=dict(interval=5, out_dir=str(out)))
+    run.train()
+    files = run.hook.io.checkpoint_files()
+    assert files and all(str(out) in f for f in files), files
+    assert {os.path.basename(f) for f in files} >= {"iter_5.pth", "iter_10.pth"}
+
+
+@pytest.mark.parametrize("family", [n for n in NAMES if n != "torch_loop"])
+def test_a_fresh_run_never_restores_another_runs_checkpoints(family, tmp_path):
+    older = build(family, tmp_path, iters=20, checkpoint=dict(interval=10))
+    older.train()
+    theirs = set(glob.glob(str(tmp_path / "**" / "*.pth"), recursive=True))
+    assert theirs
+    # A new run in the same work dir (MMEngine's default work_dirs/<config name>) diverges at iteration 3, before
+    # any snapshot is confirmed: it must recover from its own state, never from the older run's iter_20.
+    fresh = build(family, tmp_path, iters=8, faults=[weights(3)])
+    fresh.train()
+    rec = read_incidents(str(tmp_path))[-1]
+    assert rec["restored_from"]["source"] not in theirs and rec["restored_from"]["iteration"] < 3
+    assert fresh.completed() == 8 and fresh.params_finite()
+
+
+@pytest.mark.skipif(not has_mmcv1(), reason="needs MMCV 1.x (with mmengine beside it)")
+def test_hooks_are_registered_with_every_installed_family():
+    import importlib.util
+
+    from mmcv.runner import HOOKS
+
+    from petr_stability import registry
+
+    assert HOOKS.get("NanGuardHook").__module__ == "petr_stability.adapters.mmcv1_hook"
+    assert HOOKS.get("FaultInjectionHook").__module__ == "petr_stability.adapters.mmcv1_faults"
+    if importlib.util.find_spec("mmengine") is not None:
+        from mmengine.registry import HOOKS as MMENGINE_HOOKS
+
+        assert registry.RUNNER_FAMILIES == ("mmengine", "mmcv1")
+        assert MMENGINE_HOOKS.get("NanGuardHook").__module__ == "petr_stability.adapters.mmengine_hook"
+
+
+def test_every_family_is_built_by_the_suite():
+    assert {TorchLoopRun, MMEngineRun, MMCV1Run} >= set(BUILD.values()) and "torch_loop" in BUILD
