@@ -1,20 +1,34 @@
-"""``petr-stability demo --quick`` end to end: the table reports what each run measured."""
+"""``petr-stability demo --quick`` end to end: summary.json's shape and the tables agree with what each run measured."""
 import json
 import math
 
 import pytest
 
 from petr_stability.cli import main
-from petr_stability.tools.demo import settings_for
+from petr_stability.tools.demo import MIN_ITERS, RUNS, SCENARIOS, settings_for
+
+SUMMARY_KEYS = {"finished": bool, "state_finite": bool, "eval_loss": (float, type(None)), "incidents": int,
+                "iters_lost": int, "wall_s": float}
 
 
 def test_settings_validate():
-    with pytest.raises(ValueError, match="--iters must be an integer >= 12, got 5"):
-        settings_for(iters=5)
-    s = settings_for(quick=True)
-    assert s.burst_at <= s.iters
+    with pytest.raises(ValueError, match=f"--iters must be an integer >= {MIN_ITERS}, got 12"):
+        settings_for("data_burst", iters=12)
+    with pytest.raises(ValueError, match="--scenario must be one of .* got 'nope'"):
+        settings_for("nope")
+    burst = settings_for("data_burst", quick=True)
+    assert burst.iters == 24 and burst.burst_at <= burst.iters
     # Two confirmed snapshots fit before the burst: the guard's settings are not tuned to it beyond that.
-    assert s.guard["snapshot_interval"] * 2 + s.guard["confirm_steps"] < s.burst_at
+    assert burst.guard["snapshot_interval"] * 2 + burst.guard["confirm_steps"] < burst.burst_at
+    dyn = settings_for("dynamics")
+    assert dyn.burst_at == 0 and dyn.lr > dyn.reference_lr  # nothing planted; only the learning rate differs
+    assert set(dyn.runs) == set(RUNS)
+
+
+def test_bad_scenario_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--scenario", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_demo_quick_end_to_end(tmp_path, capsys):
@@ -22,23 +36,33 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     assert main(["demo", "--quick", "--work-dir", str(work)]) == 0
     out = capsys.readouterr().out
     summary = json.loads((work / "summary.json").read_text())
-    runs = {r["key"]: r for r in summary["runs"]}
-    assert set(runs) == {"a", "b", "c"}
-    table = out[out.index("iters done"):]
-    lines = [ln for ln in table.splitlines() if ln[:2] in ("a)", "b)", "c)")]
-    assert len(lines) == 3
-    for line, key in zip(lines, "abc"):
-        r = runs[key]
-        cols = line.split()
-        assert f"{r['iters_done']}/{summary['settings']['iters']}" in cols
-        assert ("yes" if r["params_finite"] else "NO") in cols
-        assert f"{r['wall_s']:.1f}s" in cols
-        assert r["steps"] >= r["iters_done"] > 0
-        assert math.isfinite(r["final_loss"])
-    # Unguarded runs never log incidents; the guarded one logs each in its work dir and the table agrees.
-    assert runs["a"]["incidents"] == runs["b"]["incidents"] == 0
-    incident_log = work / "c_guarded" / "nan_guard_incidents.jsonl"
-    n = len(incident_log.read_text().splitlines()) if incident_log.exists() else 0
-    assert runs["c"]["incidents"] == n
+    assert set(summary) == {"scenarios"} and set(summary["scenarios"]) == set(SCENARIOS)
+    for name, scenario in summary["scenarios"].items():
+        assert set(scenario) == {"runs"}
+        runs = scenario["runs"]
+        assert set(runs) == set(settings_for(name, quick=True).runs)
+        for key, run in runs.items():
+            assert set(run) == set(SUMMARY_KEYS), (name, key)
+            for field, kind in SUMMARY_KEYS.items():
+                assert isinstance(run[field], kind), (name, key, field, run[field])
+            assert run["eval_loss"] is None or math.isfinite(run["eval_loss"])
+            assert run["wall_s"] > 0
+            # Only the guarded run has a guard: the others never log incidents; its count matches its log.
+            log = work / name / key / "nan_guard_incidents.jsonl"
+            n = len(log.read_text().splitlines()) if log.exists() else 0
+            assert run["incidents"] == n
+            if key != "guarded":
+                assert run["incidents"] == run["iters_lost"] == 0
+        # The printed table says what the summary says, row by row.
+        table = out[out.index(f"== {name}"):]
+        table = table[table.index("verdict"):]
+        for key, run in runs.items():
+            row = next(ln for ln in table.splitlines() if ln.startswith(RUNS[key][0]))
+            cols = row[len(RUNS[key][0]):].split()
+            assert cols[0] == ("yes" if run["finished"] else "NO")
+            assert cols[1] == ("yes" if run["state_finite"] else "NO")
+            assert cols[2] == ("NaN/Inf" if run["eval_loss"] is None else f"{run['eval_loss']:.3f}")
+            assert int(cols[3]) == run["incidents"] and int(cols[4]) == run["iters_lost"]
+            assert f"{run['wall_s']:.1f}s" in cols
     assert (work / "demo.png").stat().st_size > 10_000
-    assert "trigger" in out.lower() and "NanGuardHook(snapshot_interval=" in out
+    assert "NanGuardHook(snapshot_interval=" in out and "the known manual fix" in out
