@@ -21,11 +21,11 @@ lint: env-mmengine
 
 # tests/cuda runs on a GPU where there is one, else as a CPU rehearsal of its test code (tests/cuda/cuda_profile.py).
 test-mmengine: env-mmengine
-	PETR_STABILITY_CUDA_REHEARSAL=1 .venv/bin/python -m pytest -q tests/core tests/mmengine tests/cli \
+	PETR_STABILITY_CUDA_REHEARSAL=1 .venv/bin/python -m pytest -q tests/core tests/contract tests/mmengine tests/cli \
 	  tests/distributed/mmengine tests/cuda
 
 test-mmcv1: env-mmcv1
-	PETR_STABILITY_CUDA_REHEARSAL=1 .venv-mmcv1/bin/python -m pytest -q tests/core tests/mmcv1 tests/distributed/mmcv1 \
+	PETR_STABILITY_CUDA_REHEARSAL=1 .venv-mmcv1/bin/python -m pytest -q tests/core tests/contract tests/mmcv1 tests/distributed/mmcv1 \
 	  tests/cuda
 
 # The cuda group on this machine's GPU, in each environment (benchmarks/gpu_check.sh does it on a bare GPU machine).
