@@ -32,7 +32,7 @@ from ..core.port import ClipSetting, GuardIO, RunConfig
 from ..tools.patch_config import write_patched_config
 from ..tools.preflight import check_runner_config, log_findings
 
-__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "write_config_fix"]
+__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "write_config_fix"]
 
 #: File the driver writes into the work dir after an incident, so that the next run starts stable.
 PATCHED_CONFIG_FILE = "nan_guard_patched_config.py"
@@ -153,6 +153,22 @@ class GuardDriver:
         except Exception as exc:
             self.io.log(f"NanGuard: pre-flight check failed ({type(exc).__name__}: {exc}); training goes on",
                         "warning")
+
+
+class DrivenHook:
+    """What every runner family's ``NanGuardHook`` shares: a :class:`GuardDriver` and read access to its guard."""
+
+    driver: GuardDriver
+
+    @property
+    def config(self) -> GuardConfig:
+        """The hook's validated arguments."""
+        return self.driver.config
+
+    @property
+    def guard(self) -> Optional[NanGuard]:
+        """The guard of the running run (None before ``before_run``)."""
+        return self.driver.guard
 
 
 def write_config_fix(run_config: Optional[RunConfig], work_dir: str, clips: List[ClipSetting],

@@ -31,13 +31,13 @@ from mmcv.runner import CheckpointHook, Hook, IterBasedRunner, OptimizerHook
 from mmcv.runner import save_checkpoint as mmcv_save_checkpoint
 
 from ..core.distributed import get_rank
-from ..core.guard import GuardConfig, NanGuard, checkpoint_finite
+from ..core.guard import GuardConfig, checkpoint_finite
 from ..core.health import state_finite
 from ..core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
 from ..core.remedies import Change, ClipProbe, observing_clip
 from ..core.safe_load import safe_load
 from ..core.snapshot import copy_to_host
-from .driver import STATE_KEY, GuardDriver
+from .driver import STATE_KEY, DrivenHook, GuardDriver
 
 __all__ = ["NanGuardHook", "MMCV1IO", "completed_iters"]
 
@@ -383,7 +383,7 @@ def completed_iters(meta: Dict[str, Any], runner: Any) -> int:
     return it + 1 if isinstance(runner, IterBasedRunner) else it
 
 
-class NanGuardHook(Hook):
+class NanGuardHook(DrivenHook, Hook):
     """Keeps fp16/fp32 training alive through NaN/Inf divergence: detects, remedies, rolls back, continues.
 
     Arguments are those of :class:`~petr_stability.core.guard.GuardConfig`, every one validated when the hook
@@ -394,14 +394,6 @@ class NanGuardHook(Hook):
     def __init__(self, **kwargs: Any) -> None:
         self.driver = GuardDriver(GuardConfig(**kwargs))
         self.io: Optional[MMCV1IO] = None
-
-    @property
-    def config(self) -> GuardConfig:
-        return self.driver.config
-
-    @property
-    def guard(self) -> Optional[NanGuard]:
-        return self.driver.guard
 
     def before_run(self, runner: Any) -> None:
         self.io = MMCV1IO(runner)

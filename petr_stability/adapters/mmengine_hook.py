@@ -20,13 +20,13 @@ from mmengine.optim import OptimWrapperDict
 
 from ..core.distributed import is_distributed
 from ..core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
-from ..core.guard import GuardConfig, NanGuard
+from ..core.guard import GuardConfig
 from ..core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
 from ..core.remedies import Change, ClipProbe, observing_clip
 from ..core.safe_load import MMENGINE_CHECKPOINT_GLOBALS, resolve_globals, safe_load
 from ..core.snapshot import copy_to_host, load_optimizer_state
 from ..core.validate import check_bool
-from .driver import STATE_KEY, GuardDriver
+from .driver import STATE_KEY, DrivenHook, GuardDriver
 
 __all__ = ["NanGuardHook", "MMEngineIO", "allow_mmengine_resume"]
 
@@ -275,7 +275,7 @@ def allow_mmengine_resume(log: Callable[..., None]) -> None:
             "types MMEngine checkpoints pickle (HistoryBuffer, numpy arrays) so that MMEngine can read them")
 
 
-class NanGuardHook(Hook):
+class NanGuardHook(DrivenHook, Hook):
     """Keeps fp16/fp32 training alive through NaN/Inf divergence: detects, remedies, rolls back, continues.
 
     Arguments are those of :class:`~petr_stability.core.guard.GuardConfig` (every one validated when the
@@ -293,14 +293,6 @@ class NanGuardHook(Hook):
         self.driver = GuardDriver(GuardConfig(**kwargs))
         self.allow_mmengine_resume = check_bool("allow_mmengine_resume", allow_mmengine_resume)
         self.io: Optional[MMEngineIO] = None
-
-    @property
-    def config(self) -> GuardConfig:
-        return self.driver.config
-
-    @property
-    def guard(self) -> Optional[NanGuard]:
-        return self.driver.guard
 
     def before_run(self, runner: Any) -> None:
         self.io = MMEngineIO(runner)

@@ -76,9 +76,8 @@ class GuardConfig:
         restore_from_checkpoints: after the in-memory states, try this run's own finite checkpoints (newest
             first; another run's files in the same work dir are never used). Defaults to True.
         write_patched_config: after an incident and on giving up, rank 0 writes
-            ``<work_dir>/nan_guard_patched_config.py``: the
-            run's effective config with the known manual fix (transformer dropout 0, the live ``max_norm``), so that the next
-            run starts stable. Defaults to True.
+            ``<work_dir>/nan_guard_patched_config.py``: the run's effective config with the known manual fix
+            (transformer dropout 0, the live ``max_norm``), so that the next run starts stable. Defaults to True.
         snapshot_copies: ``'rank'`` (every rank keeps its own snapshots) or ``'node'`` (one copy per node,
             on the node's lowest rank, sent to the others over gloo on restore; for replicated DDP state only,
             not sharded optimizers). Defaults to ``'rank'``.

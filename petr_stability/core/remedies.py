@@ -113,7 +113,8 @@ def _scoped_modules(model: nn.Module, scope: str, exclude: Sequence[str]) -> Ite
 def zero_transformer_dropout(
     model: nn.Module, scope: str = "transformer", exclude: Sequence[str] = ("backbone", "img_backbone")
 ) -> List[Change]:
-    """Sets every drop probability inside the transformer to 0 (half of the known manual fix: transformer dropout 0, max_norm 1), in place.
+    """Sets every drop probability inside the transformer to 0, in place: half of the known manual fix
+    (transformer dropout 0, max_norm 1).
 
     Covers ``nn.Dropout``-like modules (``p``, MMCV's ``Dropout`` included) and float probabilities
     (``nn.MultiheadAttention.dropout``, ``dropout_p``, ``DropPath.drop_prob``). The change survives
