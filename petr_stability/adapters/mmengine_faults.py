@@ -15,7 +15,9 @@ __all__ = ["FaultInjectionHook"]
 class FaultInjectionHook(Hook):
     """Injects planned faults to prove a setup recovers before a multi-day run. Never leave it on.
 
-    Lifecycle points used: ``before_run`` (announce the plan), ``before_train_iter`` (poison weights or the
+    Lifecycle points used: ``before_run`` (announce the plan; check every ``param`` against the unwrapped model,
+    raising ``ValueError`` for a name it lacks, and warn once about faults planned past the last iteration),
+    ``before_train_iter`` (poison weights or the
     batch, arm a gradient fault or a loss fault), ``after_train_iter`` (disarm the loss fault).
 
     Args:
@@ -35,6 +37,12 @@ class FaultInjectionHook(Hook):
 
     def before_run(self, runner: Any) -> None:
         self._log(f"ON - this run will be poisoned on purpose: {self.faults}")
+        model = runner.model.module if is_model_wrapper(runner.model) else runner.model
+        # The built loop only: runner.max_iters would build a train loop from its config in a test-only run.
+        max_iters = getattr(getattr(runner, "_train_loop", None), "max_iters", None)
+        warning = self.plan.check(model, max_iters if isinstance(max_iters, int) else None)
+        if warning:
+            self._log(warning)
 
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
         model = runner.model.module if is_model_wrapper(runner.model) else runner.model
