@@ -145,11 +145,13 @@ def parse_faults(faults: Sequence[Any]) -> List[Fault]:
     """Builds :class:`Fault` objects from dicts (config form) or passes Faults through.
 
     Raises:
-        TypeError: an entry is neither a dict nor a :class:`Fault`.
+        TypeError: ``faults`` is not a list, or an entry is neither a dict nor a :class:`Fault`.
         ValueError: a dict lacks ``kind``/``iters``, has a key a fault does not take, or a value is invalid.
     """
     if isinstance(faults, (dict, Fault)):
         faults = [faults]
+    if not isinstance(faults, (list, tuple)):
+        raise TypeError(f"faults must be a list of dicts (or Faults), got {faults!r}")
     out = []
     for f in faults:
         if isinstance(f, Fault):

@@ -55,6 +55,12 @@ def test_a_bad_fault_is_refused_at_build_naming_the_value(entry, error, needle):
         FaultPlan([entry])
 
 
+@pytest.mark.parametrize("faults", ["loss", None, 5])
+def test_faults_that_are_not_a_list_are_refused(faults):
+    with pytest.raises(TypeError, match=re.escape(f"faults must be a list of dicts (or Faults), got {faults!r}")):
+        FaultPlan(faults)
+
+
 def test_good_faults_are_normalized():
     (f,) = parse_faults(dict(kind="grads", iters=4, value="-inf", ranks=1, param="head.bias"))
     assert f.iters == [4] and f.ranks == [1] and f.value == -math.inf and f.param == "head.bias"
