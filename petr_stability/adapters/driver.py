@@ -72,14 +72,17 @@ class GuardDriver:
         self.io.install_probes(self.config.skip_nonfinite_fp32)
         self.guard.setup()
         self.guard.capture_start()
+        self.guard.attach_data()  # before the loader's first batch where the runner has built it by now
         self.io.store_state(self.state_dict())
         self._log_preflight()
 
     def before_iter(self, batch: Any = None) -> None:
         """As an iteration starts: what a diagnosis of it would need (a reference and a host RNG copy)."""
         self.inside = True
+        self.guard.attach_data()
+        self.guard.batch = batch  # a reference: which samples a skipped step or a divergence had
         if self.config.diagnose:
-            self.guard.batch, self.guard.rng = batch, capture_rng()
+            self.guard.rng = capture_rng()
 
     def after_iter(self) -> None:
         """After the iteration's optimizer step (and, in MMCV 1.x, its checkpoint save)."""

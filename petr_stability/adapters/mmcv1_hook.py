@@ -350,6 +350,27 @@ class MMCV1IO(GuardIO):
                 return meta.get(STATE_KEY)
         return None
 
+    def train_loader(self) -> Any:
+        # Set by the runner as training starts (EpochBasedRunner.train, IterBasedRunner.train: an IterLoader).
+        loader = getattr(self.runner, "data_loader", None)
+        return getattr(loader, "_dataloader", loader)
+
+    def dataset(self) -> Any:
+        return getattr(self.train_loader(), "dataset", None)
+
+    def dataset_size(self) -> int:
+        dataset = self.dataset()
+        try:
+            return len(dataset) if dataset is not None else 0
+        except TypeError:  # an iterable dataset has no length
+            return 0
+
+    def lr_schedulers(self) -> List[Any]:
+        return [h for h in self.runner.hooks if type(h).__name__.endswith("LrUpdaterHook")]
+
+    def restores_lr(self) -> bool:
+        return False  # restore keeps the live LR; the LR hooks recompute it from their (scaled) bases
+
     def run_config(self) -> Optional[RunConfig]:
         # mmdet / mmdet3d 0.x tools/train.py put the effective config (overrides merged) into runner.meta and
         # dump it into the work dir under the config's name: the next run can reach that file.

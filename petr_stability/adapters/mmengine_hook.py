@@ -247,6 +247,27 @@ class MMEngineIO(GuardIO):
                 return True
         return False
 
+    def train_loader(self) -> Any:
+        loop = getattr(self.runner, "_train_loop", None)
+        loader = getattr(loop, "dataloader", None) if loop is not None and not isinstance(loop, dict) else None
+        return loader
+
+    def dataset(self) -> Any:
+        return getattr(self.train_loader(), "dataset", None)
+
+    def dataset_size(self) -> int:
+        dataset = self.dataset()
+        try:
+            return len(dataset) if dataset is not None else 0
+        except TypeError:  # an iterable dataset has no length
+            return 0
+
+    def lr_schedulers(self) -> List[Any]:
+        return [s for s in self._schedulers() if getattr(s, "param_name", "lr") == "lr"]
+
+    def restored_lr_schedulers(self) -> List[Any]:
+        return [s for s in self.lr_schedulers() if not getattr(s, "by_epoch", False)]
+
     def run_config(self) -> Optional[RunConfig]:
         cfg = getattr(self.runner, "cfg", None)
         return RunConfig(cfg, getattr(cfg, "filename", None)) if cfg else None  # a Runner built without a config

@@ -1,6 +1,6 @@
 """GuardIO for a plain PyTorch training loop (no runner): the guard in a hand-written loop, benchmarks, tests."""
 import copy
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -29,11 +29,14 @@ class TorchLoopIO(GuardIO):
         work_dir: where the incident log goes; None for none.
         log_fn: where log lines go. Defaults to ``print``.
         config: the run's config (any dict), for the patched config written after an incident. Defaults to None.
+        loader: the training ``DataLoader`` (bad samples are quarantined through its sampler). Defaults to None.
+        schedulers: torch LR schedulers (a learning-rate backoff scales them too). Defaults to ().
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any = None,
                  clip_kwargs: Optional[Dict[str, Any]] = None, work_dir: Optional[str] = None,
-                 log_fn: Callable[[str], Any] = print, config: Optional[Dict[str, Any]] = None) -> None:
+                 log_fn: Callable[[str], Any] = print, config: Optional[Dict[str, Any]] = None, loader: Any = None,
+                 schedulers: Sequence[Any] = ()) -> None:
         self.work_dir = work_dir
         self.net = model
         self.opt = optimizer
@@ -46,6 +49,8 @@ class TorchLoopIO(GuardIO):
         self.log_fn = log_fn
         self.scalars: Dict[str, float] = {}
         self.config = config
+        self.loader = loader
+        self.schedulers = list(schedulers)
 
     def clip(self, params: Any) -> Any:
         """Clips (and observes) the gradients of ``params`` with the live clip arguments."""
@@ -93,6 +98,18 @@ class TorchLoopIO(GuardIO):
 
     def set_counter(self, value: int) -> None:
         self.iter = value
+
+    def train_loader(self) -> Any:
+        return self.loader
+
+    def dataset(self) -> Any:
+        return getattr(self.loader, "dataset", None)
+
+    def dataset_size(self) -> int:
+        return len(self.dataset()) if self.dataset() is not None else 0
+
+    def lr_schedulers(self) -> List[Any]:
+        return self.schedulers
 
     def run_config(self) -> Optional[RunConfig]:
         return None if self.config is None else RunConfig(self.config)

@@ -148,9 +148,8 @@ class CauseHistory:
     """What earlier incidents were and which causes have no remedy left: the memory :func:`classify` needs.
 
     Args:
-        first_iterations: an incident at an iteration (0-based, counted from the start of training) below this is
-            structural: the model never trained healthily, and there is no healthy state to compare with.
-            Defaults to 10.
+        first_iterations: a data incident at an iteration (1-based, counted from the start of training) up to this
+            one is structural: the first batches break the weights the run started from. Defaults to 10.
         recurrence_window: a data incident fewer than this many iterations after the rollback of the previous
             data incident is structural: a second batch breaking at once means every batch breaks (a bug), not
             one sample. Defaults to 50.
@@ -245,9 +244,10 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
              iteration: Optional[int] = None) -> Classification:
     """Classifies one confirmed divergence from its replay report.
 
-    In order: non-finite within ``history.first_iterations`` is structural; then the replay decides (fp16
-    overflow fixed by fp32 > a non-finite batch or one that breaks the healthy weights = data > fine on the
-    healthy weights = dynamics > unknown); then that cause becomes structural when its remedies are spent
+    The replay decides (fp16 overflow fixed by fp32 > a non-finite batch or one that breaks the healthy weights =
+    data > fine on the healthy weights = dynamics > unknown); a data (or reproduced unknown) divergence within
+    ``history.first_iterations`` is structural (the first batches break the start weights); then that cause
+    becomes structural when its remedies are spent
     (:meth:`CauseHistory.mark_spent`), or, for data, when the previous incident was data too and fewer than
     ``history.recurrence_window`` iterations trained since its rollback (every batch breaks).
 
@@ -255,23 +255,26 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
         report: a :func:`~.diagnose.diagnose_step` report (``compare='reproduced'`` gives the healthy
             comparison whenever the live re-run reproduces); None when no diagnosis ran.
         history: earlier incidents. Defaults to None (an empty history with its defaults).
-        iteration: the iteration of this incident (0-based). Defaults to None (unknown: no first-iterations rule).
+        iteration: the iteration of this incident (1-based, the guard's numbering). Defaults to None (unknown: no
+            first-iterations rule).
 
     Returns:
         The :class:`Classification`.
     """
     history = history if history is not None else CauseHistory()
-    if iteration is not None and iteration < history.first_iterations:
-        return Classification(Cause.STRUCTURAL,
-                              f"non-finite at iteration {iteration + 1}, within the first {history.first_iterations} "
-                              "iterations: the model never trained healthily",
-                              signals={"iteration": iteration + 1})
     if not report:
         return Classification(Cause.UNKNOWN, "no diagnosis ran (diagnose=False, or the adapter cannot re-run the "
                                              "batch)")
     if report.get("error"):
         return Classification(Cause.UNKNOWN, f"the diagnosis failed: {report['error']}")
     cause, evidence, modules, signals = _evidence_cause(report)
+    early = iteration is not None and iteration <= history.first_iterations
+    if early and (cause == Cause.DATA or (cause == Cause.UNKNOWN and report.get("reproduced"))):
+        # The run's first batches already break the weights it started from: nothing ever trained healthily.
+        return Classification(Cause.STRUCTURAL,
+                              f"{evidence}; at iteration {iteration}, within the first {history.first_iterations} "
+                              "iterations: the model never trained healthily",
+                              modules, dict(signals, evidence_cause=cause.value, iteration=iteration))
     if cause != Cause.UNKNOWN and history.is_spent(cause):
         return Classification(Cause.STRUCTURAL, f"{evidence}; and the remedies for {cause} are spent "
                                                 f"({history.spent[cause.value]}): divergences keep coming on new data",

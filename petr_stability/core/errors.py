@@ -1,6 +1,6 @@
 """The plugin's own exception types."""
 
-__all__ = ["NanGuardError", "NanGuardGaveUp", "NoHealthyStateError", "UnsafeCheckpointError"]
+__all__ = ["NanGuardError", "NanGuardGaveUp", "NoHealthyStateError", "StructuralDivergence", "UnsafeCheckpointError"]
 
 
 class NanGuardError(RuntimeError):
@@ -13,6 +13,11 @@ class NanGuardGaveUp(NanGuardError):
 
 class NoHealthyStateError(NanGuardGaveUp):
     """A divergence was confirmed but no healthy state exists to roll back to."""
+
+
+class StructuralDivergence(NanGuardGaveUp):
+    """The divergence is structural (a bug, a broken data pipeline): every new batch fails, or the remedies for its
+    class are spent; rolling back again would only spend the budget."""
 
 
 class UnsafeCheckpointError(NanGuardError):

@@ -13,21 +13,25 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from . import distributed
+from .causes import Cause, Classification
 from .detector import Decision, DetectorConfig, DivergenceDetector, StepSignals, Verdict
 from .diagnose import diagnose_step, summarize
-from .errors import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError
+from .errors import NanGuardGaveUp, NoHealthyStateError, StructuralDivergence, UnsafeCheckpointError
 from .health import all_finite, first_nonfinite, state_finite
 from .incidents import IncidentLog
+from .policy import CausePolicy
 from .port import GuardIO, Payload
+from .quarantine import sample_ids
 from .remedies import Change, zero_transformer_dropout
 from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
+from .spikes import GradNormMonitor
 from .tree import iter_tensors, nbytes
 from .validate import check_bool, check_choice, check_int, check_list, check_names, check_number
 
 __all__ = ["GuardConfig", "GuardIO", "NanGuard", "REMEDIES", "RESTORE_ORDER"]
 
-#: Remedy names accepted by ``remedies=``.
-REMEDIES = ("clip", "dropout", "rollback", "scale")
+#: Remedy names accepted by ``remedies=`` (docs/how-it-works.md, "Cause-aware recovery").
+REMEDIES = ("clip", "dropout", "rollback", "scale", "lr", "moments", "quarantine", "fp32", "temporal")
 
 #: Where a rollback looks, in this order; each point is tried at most once per incident chain (until a state
 #: taken after the latest recovery is confirmed). docs/how-it-works.md, "Restore points", says why.
@@ -78,6 +82,24 @@ class GuardConfig:
         write_patched_config: after an incident and on giving up, rank 0 writes
             ``<work_dir>/nan_guard_patched_config.py``: the run's effective config with the known manual fix
             (transformer dropout 0, the live ``max_norm``), so that the next run starts stable. Defaults to True.
+        lr_backoff: learning-rate factor of the dynamics ladder's second rung (every group and schedule).
+            Defaults to 0.5.
+        exploded_ratio: on the ladder's third rung, tensors whose gradient norm is this many times the median have
+            their optimizer moments reset. Defaults to 100.0.
+        temporal_reset: methods called after every rollback on modules that have them, to clear state kept outside
+            ``state_dict()`` (StreamPETR's ``reset_memory``; ``reset`` only on Sparse4D's ``InstanceBank``).
+            Defaults to ``('reset_memory', 'reset')``.
+        quarantine_fraction: at most this fraction of the dataset is quarantined as bad data; past it the run is
+            structural. Defaults to 0.001.
+        first_iterations: a data divergence within this many iterations is structural at once (the first batches
+            break the weights the run started from). 0 turns the rule off: a bug that breaks every batch is still
+            stopped at its second incident by the recurrence rule, and one bad early sample is quarantined.
+            Defaults to 0.
+        spike_window / spike_z / spike_warmup: the grad_norm early warning (a running z-score over the host float
+            the runner already logs): window, threshold in standard deviations, values before it speaks.
+            Defaults to 100, 3.0, 25.
+        adaptive_clip: clip at the recent mean + ``spike_z`` standard deviations of grad_norm, never looser than
+            the configured ``max_norm`` (docs/demo.md says when it helps). Defaults to False.
         snapshot_copies: ``'rank'`` (every rank keeps its own snapshots) or ``'node'`` (one copy per node,
             on the node's lowest rank, sent to the others over gloo on restore; for replicated DDP state only,
             not sharded optimizers). Defaults to ``'rank'``.
@@ -100,6 +122,15 @@ class GuardConfig:
     skip_nonfinite_fp32: bool = True
     restore_from_checkpoints: bool = True
     write_patched_config: bool = True
+    lr_backoff: float = 0.5
+    exploded_ratio: float = 100.0
+    temporal_reset: Sequence[str] = ("reset_memory", "reset")
+    quarantine_fraction: float = 0.001
+    first_iterations: int = 0
+    spike_window: int = 100
+    spike_z: float = 3.0
+    spike_warmup: int = 25
+    adaptive_clip: bool = False
     snapshot_copies: str = "rank"
     detector: DetectorConfig = field(init=False, repr=False)
 
@@ -124,6 +155,19 @@ class GuardConfig:
         for name in ("skip_nonfinite_fp32", "restore_from_checkpoints", "write_patched_config"):
             check_bool(name, getattr(self, name))
         check_choice("snapshot_copies", self.snapshot_copies, ("rank", "node"))
+        check_number("lr_backoff", self.lr_backoff)
+        if self.lr_backoff >= 1:
+            raise ValueError(f"lr_backoff must be a number in (0, 1), got {self.lr_backoff!r}")
+        check_number("exploded_ratio", self.exploded_ratio, above=1.0)
+        self.temporal_reset = check_names("temporal_reset", self.temporal_reset)
+        check_number("quarantine_fraction", self.quarantine_fraction, above=0.0)
+        if self.quarantine_fraction > 1:
+            raise ValueError(f"quarantine_fraction must be a number in (0, 1], got {self.quarantine_fraction!r}")
+        check_int("first_iterations", self.first_iterations, 0)
+        check_int("spike_window", self.spike_window, 2)
+        check_number("spike_z", self.spike_z)
+        check_int("spike_warmup", self.spike_warmup, 2)
+        check_bool("adaptive_clip", self.adaptive_clip)
 
     def clip_target(self, incident: int) -> float:
         """max_norm target for the ``incident``-th recovery (1-based)."""
@@ -171,14 +215,18 @@ class NanGuard:
         self._tried: set = set()
         self._foreign_logged = False
         self.last_diagnosis: Optional[Dict[str, Any]] = None
+        self.policy = CausePolicy(list(config.remedies), config.lr_backoff, config.exploded_ratio,
+                                  list(config.temporal_reset), config.quarantine_fraction, config.first_iterations)
+        self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
+        #: The configured max_norm per clip setting (lowered by remedies): adaptive clipping never goes above it.
+        self._clip_base: Dict[str, float] = {}
+        self._data_attached = False
         #: Called on every rank with each incident record after it was written (the driver writes the patched
         #: config there).
         self.listeners: List[Callable[[Dict[str, Any]], None]] = []
         #: The batch and RNG state of the running iteration, kept by the driver for a diagnosis.
         self.batch: Any = None
         self.rng: Optional[Dict[str, Any]] = None
-        #: What identifies the running iteration's samples (dataset indices, tokens) for the records.
-        self.batch_ids: Optional[Any] = None
 
     # ------------------------------------------------------------------ setup and persistence
     def setup(self) -> None:
@@ -194,13 +242,20 @@ class NanGuard:
                 self.io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
         if self.scale_made_dynamic:
             self.io.restore_scale_mode()
+        self.policy.setup(self.io)
+        self._clip_base = {c.name: c.max_norm for c in self.io.clip_settings() if c.kind == "norm"}
         self._publish()
+
+    def attach_data(self) -> None:
+        """As an iteration starts: the quarantine sampler goes into the training loader once it exists."""
+        if not self._data_attached:
+            self._data_attached = self.policy.attach_data(self.io)
 
     def capture_start(self) -> None:
         """Keeps the state the run starts from (before its first step, or right after resume): a restore point
         that exists before any snapshot is confirmed. Costs one snapshot of host memory."""
         iteration, epoch = self.io.completed(inside=False)
-        self.start = Snapshot(iteration, epoch, self._copy_state(), nbytes=0)
+        self.start = Snapshot(iteration, epoch, self._copy_state(), nbytes=0, lr_factor=self.policy.lr_factor)
         self.start.nbytes = nbytes(self.start.payload)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -217,6 +272,8 @@ class NanGuard:
             "clip": dict(self._clip_state),
             "actions_tried": list(self.actions_tried),
             "detector": self.detector.state_dict(),
+            "policy": self.policy.state_dict(),
+            "spikes": self.spikes.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -231,6 +288,8 @@ class NanGuard:
         self._clip_state = {str(k): float(v) for k, v in dict(state.get("clip", {})).items()}
         self.actions_tried = list(state.get("actions_tried", []))
         self.detector.load_state_dict(state.get("detector", {}))
+        self.policy.load_state_dict(state.get("policy", {}))
+        self.spikes.load_state_dict(state.get("spikes", {}))
 
     # ------------------------------------------------------------------ the per-iteration path
     def after_iter(self) -> Decision:
@@ -262,6 +321,7 @@ class NanGuard:
 
         if agreed == Verdict.HEALTHY:
             if reading.stepped:
+                self._watch_grad_norm(reading.grad_norm)
                 self.ring.tick()
                 self._maybe_close_chain()
                 if snapshot_due:
@@ -275,6 +335,19 @@ class NanGuard:
             self._recover(signals, decision)
         self._publish(signals.loss_scale)
         return decision
+
+    def _watch_grad_norm(self, grad_norm: Optional[float]) -> None:
+        # The early warning and the adaptive clip read the host float the runner logged: no device read.
+        if grad_norm is None:
+            return
+        warning = self.spikes.observe(grad_norm)
+        if warning:
+            self.io.log(f"NanGuard: early warning: {warning}", "warning")
+        if self.config.adaptive_clip and self.spikes.ready:
+            for clip in self.io.clip_settings():
+                base = self._clip_base.get(clip.name)
+                if clip.kind == "norm" and base is not None:
+                    clip.set_max_norm(self.spikes.clip_bound(base))
 
     def _on_overflow(self, signals: StepSignals, decision: Decision) -> None:
         if signals.scale_mode != "none":
@@ -291,7 +364,7 @@ class NanGuard:
             self.fp32_skips += 1
         what = "fp32 step skipped before the optimizer applied it" if skipped else "non-finite loss, step applied"
         record = self._record("skip" if skipped else "nonfinite_loss", signals, decision, [])
-        record["batch"] = self.batch_ids
+        record["batch"] = (sample_ids(self.batch) or None) if self.batch is not None else None
         self.incidents.write(record)
         self.io.log(f"NanGuard: {what} at iter {signals.iteration} ({decision.reason})", "warning")
 
@@ -315,7 +388,7 @@ class NanGuard:
         pin = device is not None and device.type == "cuda" and not self._holds_no_tensors()
         _, epoch = self.io.completed(inside=True)
         self.ring.add(Snapshot(iteration, epoch, payload, nbytes=nbytes(payload), copied=copies_done(pin, device),
-                               generation=self.recoveries))
+                               generation=self.recoveries, lr_factor=self.policy.lr_factor))
 
     def _maybe_close_chain(self) -> None:
         # A state taken after the latest recovery proved healthy: the recovery held, the incident chain ends and
@@ -324,6 +397,10 @@ class NanGuard:
             snap = self.ring.newest_confirmed()
             if snap is not None and snap.generation == self.recoveries:
                 self._tried.clear()
+                rung = self.policy.held(snap.iteration)
+                if rung:
+                    self.io.log(f"NanGuard: the recovery held (the state of iter {snap.iteration} is confirmed); "
+                                f"the ladder's rung that held: {rung}")
 
     # ------------------------------------------------------------------ remedies and rollback
     def _zero_dropout(self) -> List[Change]:
@@ -339,6 +416,7 @@ class NanGuard:
                     changes.append(change)
                 if clip.kind == "norm":
                     self._clip_state[clip.name] = clip.max_norm
+                    self._clip_base[clip.name] = min(self._clip_base.get(clip.name, clip.max_norm), clip.max_norm)
                 elif clip.kind == "value":
                     self.io.log(f"NanGuard: {clip.name} clips by value ({clip.kwargs}); the max_norm remedy does "
                                 "not apply", "warning")
@@ -379,7 +457,8 @@ class NanGuard:
             where = "the run's start state" if snap is self.start else f"snapshot of iter {snap.iteration}" if snap \
                 else ""
             report = diagnose_step(self.io.model(), forward, rng_state=self.rng, loss_scale=scale or 1.0,
-                                   healthy_weights=weights, healthy_from=where if weights else "")
+                                   healthy_weights=weights, healthy_from=where if weights else "",
+                                   compare="reproduced")
         except Exception as exc:  # the diagnosis must never stand between a divergence and its recovery
             report = {"error": f"{type(exc).__name__}: {exc}"}
         report["rank"] = distributed.get_rank()
@@ -391,11 +470,19 @@ class NanGuard:
         iteration, epoch = self.io.completed(inside)
         # Before any remedy: the re-run needs the dropout and weights that the failing step ran with.
         self.last_diagnosis = self._diagnose(signals)
+        # Every rank classifies (a collective) and acts on the same class.
+        cls = self.policy.classify(self.last_diagnosis, iteration)
+        cls.signals.setdefault("iteration", iteration)
         if self.recoveries >= self.config.max_recoveries:
             self._give_up(signals, decision, NanGuardGaveUp,
                           f"the recovery budget is spent ({self.recoveries} of max_recoveries="
-                          f"{self.config.max_recoveries})")
-        changes = self._apply_remedies(self.recoveries + 1)
+                          f"{self.config.max_recoveries})", cls=cls)
+        changes = self.policy.before_rollback(cls, self.io, self.batch) if cls.cause != Cause.STRUCTURAL else []
+        if cls.cause == Cause.STRUCTURAL:
+            self._give_up(signals, decision, StructuralDivergence,
+                          f"the divergence is structural: {cls.evidence}. Look at: {self.policy.advice()}", cls=cls)
+        if cls.cause in (Cause.DYNAMICS, Cause.UNKNOWN) and self.policy.rung == 1:
+            changes += self._apply_remedies(self.recoveries + 1)
         for change in changes:
             self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
         restored: Dict[str, Any] = {}
@@ -406,7 +493,7 @@ class NanGuard:
                 tried = ", ".join(sorted(self._tried)) or "none existed"
                 self._give_up(signals, decision, NoHealthyStateError,
                               f"no healthy state of this run is left to roll back to (tried: {tried}; the order is: "
-                              + "; ".join(RESTORE_ORDER) + ")", changes)
+                              + "; ".join(RESTORE_ORDER) + ")", changes, cls)
             self.io.restore(payload)
             self.io.rewind(payload.iteration, inside)
             # States newer than the one restored belong to the abandoned path.
@@ -414,18 +501,28 @@ class NanGuard:
             lost = max(0, iteration - payload.iteration)
             restored = {"source": payload.source, "iteration": payload.iteration}
             self.actions_tried.append(f"iter {iteration}: rollback to {payload.source} (iter {payload.iteration})")
+            later = self.policy.after_rollback(cls, self.io, payload.lr_factor)
+            for change in later:
+                self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
+            changes += later
+            reset = self.policy.reset_temporal(self.io)
+            if reset:
+                self.io.log(f"NanGuard: temporal state reset after the rollback: {', '.join(reset)}")
+                restored["temporal_reset"] = reset
         self.detector.reset()
         self.io.read_step()  # forget the failed step's probe reading
         self.recoveries += 1
         self.iterations_lost += lost
+        self.policy.record(cls, iteration, restored.get("iteration"))
         record = self._record("divergence", signals, decision, changes)
-        record.update(restored_from=restored or None, iterations_lost=lost, epoch=epoch, diagnosis=self.last_diagnosis)
+        record.update(restored_from=restored or None, iterations_lost=lost, epoch=epoch, diagnosis=self.last_diagnosis,
+                      cause=cls.as_dict())
         where = (f"rolled back to iter {restored['iteration']} from {restored['source']}, "
                  f"{lost} iteration(s) lost" if restored else "no rollback (disabled)")
         self.io.log(
-            f"NanGuard: divergence at iter {iteration} ({decision.reason}); recovery "
-            f"{self.recoveries}/{self.config.max_recoveries}: {where}; {len(changes)} setting(s) changed "
-            "(the known manual fix: transformer dropout 0, max_norm 1)",
+            f"NanGuard: divergence at iter {iteration} ({decision.reason}); cause: {cls.cause.value} "
+            f"({cls.evidence}); recovery {self.recoveries}/{self.config.max_recoveries}: {where}; "
+            f"{len(changes)} setting(s) changed",
             "warning",
         )
         for change in changes:
@@ -470,7 +567,7 @@ class NanGuard:
         if self.config.snapshot_copies == "node" and distributed.is_distributed():
             group, leader, _ = distributed.node_group()
             payload = distributed.broadcast_payload(payload, src=leader, group=group, known_structure=True)
-        return Payload(payload, snap.iteration, snap.epoch, source=source)
+        return Payload(payload, snap.iteration, snap.epoch, source=source, lr_factor=snap.lr_factor)
 
     def _holds_no_tensors(self) -> bool:
         if self.config.snapshot_copies != "node" or not distributed.is_distributed():
@@ -481,14 +578,15 @@ class NanGuard:
         # Rank 0 alone lists, reads and checks the files; the others receive its choice and its tensors, so
         # no shared filesystem is needed and every rank restores the same state (or gives up together).
         found = self._read_own_checkpoint(now) if distributed.get_rank() == 0 else None
-        meta = distributed.broadcast_object(None if found is None else (found.source, found.iteration, found.epoch))
+        meta = distributed.broadcast_object(
+            None if found is None else (found.source, found.iteration, found.epoch, found.lr_factor))
         if meta is None:
             return None
         state = distributed.broadcast_payload(found.state if found is not None else None)
         if found is None:
             self.io.log(f"NanGuard: received checkpoint {meta[0]} from rank 0")
         self._tried.add(meta[0])
-        return Payload(state, meta[1], meta[2], source=meta[0], strict=False)
+        return Payload(state, meta[1], meta[2], source=meta[0], strict=False, lr_factor=meta[3])
 
     def _read_own_checkpoint(self, now: int) -> Optional[Payload]:
         candidates: List[Tuple[int, str, Payload]] = []
@@ -505,6 +603,7 @@ class NanGuard:
             if (guard_state or {}).get("run_id") != self.run_id or payload.iteration > now:
                 foreign.append(f"{path} (iter {payload.iteration})")
                 continue
+            payload.lr_factor = float(((guard_state or {}).get("policy") or {}).get("lr_factor", 1.0))
             candidates.append((payload.iteration, path, payload))
         if foreign and not self._foreign_logged:
             self._foreign_logged = True
@@ -519,10 +618,11 @@ class NanGuard:
 
     # ------------------------------------------------------------------ records and errors
     def _give_up(self, signals: StepSignals, decision: Decision, error: type, why: str,
-                 changes: Sequence[Change] = ()) -> None:
+                 changes: Sequence[Change] = (), cls: Optional[Classification] = None) -> None:
         record = self._record("gave_up", signals, decision, list(changes))
         record["why"] = why
         record["diagnosis"] = self.last_diagnosis
+        record["cause"] = None if cls is None else cls.as_dict()
         tried = "\n".join(f"  - {a}" for a in self.actions_tried) or "  (nothing yet)"
         log = self.incidents.path or "(no work dir: no incident log)"
         msg = (f"NanGuard gave up at iter {signals.iteration}: {why}. Last divergence: {decision.reason}.\n"

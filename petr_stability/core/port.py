@@ -87,6 +87,7 @@ class Payload:
         epoch: the runner's epoch counter then.
         source: ``'memory'``, ``'start'`` or the checkpoint's path.
         strict: load the model's state dict strictly (False for checkpoint files, which may lack buffers).
+        lr_factor: the product of learning-rate backoffs in force in this state.
     """
 
     state: Dict[str, Any]
@@ -94,6 +95,7 @@ class Payload:
     epoch: int
     source: str = "memory"
     strict: bool = True
+    lr_factor: float = 1.0
 
 
 @dataclass
@@ -214,6 +216,30 @@ class GuardIO(abc.ABC):
             batch: the batch the driver kept at the iteration's start (None where the runner does not pass it).
         """
         return None
+
+    def dataset(self) -> Any:
+        """The training dataset (for naming quarantined samples), or None."""
+        return None
+
+    def dataset_size(self) -> int:
+        """``len`` of the training dataset, or 0 where unknown (no quarantine then)."""
+        return 0
+
+    def train_loader(self) -> Any:
+        """The training ``DataLoader``, for the quarantine sampler (before its first iterator), or None."""
+        return None
+
+    def lr_schedulers(self) -> List[Any]:
+        """Every learning-rate schedule, for a backoff that must last (torch/MMEngine schedulers, MMCV LR hooks)."""
+        return []
+
+    def restored_lr_schedulers(self) -> List[Any]:
+        """The schedules a :meth:`restore` resets from the payload (a backoff is re-applied to them)."""
+        return []
+
+    def restores_lr(self) -> bool:
+        """Whether :meth:`restore` puts the payload's learning rates back (else the live ones are kept)."""
+        return True
 
     def health_check_due(self) -> bool:
         """True when this rank wants a full health check on this iteration (a checkpoint save follows or happened)."""

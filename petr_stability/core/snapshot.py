@@ -130,6 +130,7 @@ class Snapshot:
         copied: the event that marks the end of its device-to-host copies (None when they were synchronous).
         generation: the guard's recovery count when it was taken (a confirmed snapshot of the current generation
             means the latest recovery held).
+        lr_factor: the product of learning-rate backoffs in force when it was taken.
     """
 
     iteration: int
@@ -140,6 +141,7 @@ class Snapshot:
     nbytes: int = field(default=0)
     copied: Any = field(default=None, repr=False)
     generation: int = 0
+    lr_factor: float = 1.0
 
     def ready_payload(self) -> Dict[str, Any]:
         """The payload, after its asynchronous copies (if any) have landed; the only way the host should read it.
