@@ -358,6 +358,9 @@ def summarize(records: List[Dict[str, Any]], rows: List[Dict[str, float]], unrea
             lines.append(f"    gave up: {r['why']}")
         if isinstance(r.get("diagnosis"), dict):
             lines.append(f"    diagnosis: {summarize_diagnosis(r['diagnosis'])}")
+        cause = r.get("cause")
+        if isinstance(cause, dict) and cause.get("cause"):
+            lines.append(f"    cause: {cause['cause']}: {cause.get('evidence') or '-'}; action: {cause.get('action') or '-'}")
     lines.append(f"iterations lost: {at_least}{lost}")
     lines.append(f"fp32 steps skipped by the guard: {at_least}{len(skips)}")
     for r in skips:

@@ -20,7 +20,9 @@ INCIDENTS = [
          signals=dict(grad_norm="nan", loss=2.5, loss_scale=128.0, scale_mode="dynamic"),
          actions=[dict(target="optim_wrapper.clip_grad.max_norm", old=35, new=1.0),
                   dict(target="net.head.layers.0.attentions.0.attn.dropout", old=0.1, new=0.0)],
-         restored_from=dict(source="memory", iteration=20), iterations_lost=10, recoveries=0, diagnosis=DIAGNOSIS),
+         restored_from=dict(source="memory", iteration=20), iterations_lost=10, recoveries=0, diagnosis=DIAGNOSIS,
+         cause=dict(cause="dynamics", evidence="the same batch trains fine on the healthy weights",
+                    action="next rung of the ladder")),
     dict(event="divergence", iteration=25, reason="dynamic loss scale fell to 0.5", verdict="DIVERGED",
          signals=dict(grad_norm="inf", loss=2.4, loss_scale=0.5), actions=[],
          restored_from=dict(source="memory", iteration=10), iterations_lost=15, recoveries=1),
@@ -74,6 +76,8 @@ def test_mmengine_rolled_back_run(tmp_path, capsys):
     assert ("diagnosis: first non-finite value in head.transformer.decoder.layers.0.attentions.0 "
             "(MultiheadAttention, output, forward)") in text
     assert "on the healthy weights (snapshot of iter 19) the batch stays finite" in text
+    assert ("cause: dynamics: the same batch trains fine on the healthy weights; action: next rung of the ladder"
+            in text)
     assert "fp32 steps skipped by the guard: 1" in text and "iter 33: non-finite gradient in fp32" in text
     assert out.stat().st_size > 10_000
 
