@@ -360,7 +360,8 @@ def summarize(records: List[Dict[str, Any]], rows: List[Dict[str, float]], unrea
             lines.append(f"    diagnosis: {summarize_diagnosis(r['diagnosis'])}")
         cause = r.get("cause")
         if isinstance(cause, dict) and cause.get("cause"):
-            lines.append(f"    cause: {cause['cause']}: {cause.get('evidence') or '-'}; action: {cause.get('action') or '-'}")
+            lines.append(f"    cause: {cause['cause']}: {cause.get('evidence') or '-'}; "
+                         f"action: {cause.get('action') or '-'}")
     lines.append(f"iterations lost: {at_least}{lost}")
     lines.append(f"fp32 steps skipped by the guard: {at_least}{len(skips)}")
     for r in skips:
