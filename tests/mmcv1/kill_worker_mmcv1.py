@@ -1,7 +1,9 @@
 """MMCV 1.x: trains until a planted fault is recovered and a checkpoint is written, then SIGKILLs itself.
 
-Usage: ``python kill_worker_mmcv1.py WORK_DIR``. The kill comes after ``CheckpointHook`` wrote ``iter_8.pth``
-(priority LOWEST runs last), so no hook gets to clean up or flush anything: what survives is what is on disk.
+Usage: ``python kill_worker_mmcv1.py WORK_DIR [recovery|lineage]``. The kill comes after ``CheckpointHook`` wrote
+``iter_8.pth`` (priority LOWEST runs last), so no hook gets to clean up or flush anything: what survives is what is
+on disk. ``recovery`` (the default): a planted fault at iteration 6 is recovered first. ``lineage``: no fault, and
+``iter_4.pth`` is written too.
 """
 import os
 import signal
@@ -22,10 +24,16 @@ class SigkillHook(Hook):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+MODES = {
+    "recovery": dict(faults=[dict(kind="weights", iters=[FAULT_ITER])], checkpoint=dict(interval=KILL_ITER)),
+    "lineage": dict(checkpoint=dict(interval=KILL_ITER // 2)),
+}
+
 if __name__ == "__main__":
     iter_based_runner.time = types.SimpleNamespace(sleep=lambda s: None)  # the runner's 1-2 s sleeps
+    mode = sys.argv[2] if len(sys.argv) > 2 else "recovery"
     r = build_runner(sys.argv[1], runner="iter", amp=dict(init_scale=512.0), max_iters=12, guard=GUARD,
-                     faults=[dict(kind="weights", iters=[FAULT_ITER])], checkpoint=dict(interval=KILL_ITER))
+                     **MODES[mode])
     r.register_hook(SigkillHook(), priority="LOWEST")
     run(r)
     sys.exit(3)  # never reached: the kill comes first
