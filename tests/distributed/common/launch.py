@@ -9,7 +9,8 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["NPROC", "TIMEOUT_S", "SHARED", "free_port", "run_workers", "incident_logs", "run_agreeing"]
+__all__ = ["NPROC", "TIMEOUT_S", "SHARED", "free_port", "run_workers", "incident_logs", "check_agreement",
+           "run_agreeing"]
 
 NPROC = 2
 #: Guard state that records decisions and their consequences: it must be the same on every rank.
@@ -65,18 +66,16 @@ def incident_logs(out_dir: str) -> List[str]:
     return sorted(glob.glob(os.path.join(out_dir, "**", "nan_guard_incidents.jsonl"), recursive=True))
 
 
-def run_agreeing(worker: str, scenario: str, out_dir: str) -> Tuple[Dict[str, Any], Dict[str, Any], List[Dict]]:
-    """Runs a scenario and checks what must hold in every one of them.
-
-    Both ranks end at the same iteration with the same parameters, the same error (or none), the same guard
-    decisions, loss scale and clip setting; exactly one incident log exists.
+def check_agreement(r0: Dict[str, Any], r1: Dict[str, Any], out_dir: str) -> List[Dict]:
+    """What must hold after every scenario: both ranks end at the same iteration with the same parameters, the same
+    error type and message (or none), the same guard decisions, loss scale and clip setting; exactly one incident
+    log exists.
 
     Returns:
-        (rank 0's result, rank 1's result, the incident records).
+        The incident records.
     """
     from petr_stability import read_incidents
 
-    (r0, r1), _ = run_workers(worker, scenario, out_dir)
     assert r0["world_size"] == NPROC
     assert r0["iter"] == r1["iter"]
     assert r0["digest"] == r1["digest"], "parameters differ across ranks"
@@ -88,4 +87,14 @@ def run_agreeing(worker: str, scenario: str, out_dir: str) -> Tuple[Dict[str, An
     assert (r0["loss_scale"], r0["max_norm"]) == (r1["loss_scale"], r1["max_norm"])
     logs = incident_logs(out_dir)
     assert len(logs) == 1, logs
-    return r0, r1, read_incidents(logs[0])
+    return read_incidents(logs[0])
+
+
+def run_agreeing(worker: str, scenario: str, out_dir: str) -> Tuple[Dict[str, Any], Dict[str, Any], List[Dict]]:
+    """Runs a scenario and checks what must hold in every one of them (:func:`check_agreement`).
+
+    Returns:
+        (rank 0's result, rank 1's result, the incident records).
+    """
+    (r0, r1), _ = run_workers(worker, scenario, out_dir)
+    return r0, r1, check_agreement(r0, r1, out_dir)

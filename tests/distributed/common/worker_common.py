@@ -5,13 +5,27 @@ import json
 import os
 import time
 import traceback
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from scenarios import weights_digest
+from scenarios import OLDER_CHECKPOINT, weights_digest
+
+from petr_stability.core.faults import poison_weights
+
+__all__ = ["GUARD", "CORRUPT_LABEL", "shared_scenarios", "parse_args", "init_process_group", "work_dir", "train",
+           "finish", "Extras", "corrupt_labels", "fail_on_corrupt_labels", "PoisonPasses", "write_older_checkpoint"]
 
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
+#: A class label the label map does not know: the data trigger of the corrupt-annotation scenarios.
+CORRUPT_LABEL = -1
+#: Rank 1 reads a corrupt sample in 6 consecutive batches from its 3rd on; with GUARD nothing is confirmed before
+#: iteration 4, and the data moves on through rollbacks as a real loader does. 128 samples: one epoch is 32 batches
+#: per rank, so no corrupt sample comes round again.
+CORRUPT = dict(rank=1, positions=[3, 4, 5, 6, 7, 8])
+#: One iteration poisoned on several passes (a rollback brings the run back to it) spends one in-memory restore
+#: point per pass. No replay of the failing batch: its cause classification is not what the scenario is about.
+TO_DISK = dict(snapshot_interval=1000, confirm_steps=1000, check_interval=1000, diagnose=False)
 
 
 def shared_scenarios(disk_checkpoint: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
@@ -28,10 +42,106 @@ def shared_scenarios(disk_checkpoint: Dict[str, Any]) -> Dict[str, Dict[str, Any
         # Every iteration from 12 on is poisoned on every rank: the budget runs out and all ranks stop together.
         "endless": dict(max_iters=30, guard=dict(GUARD, max_recoveries=1),
                         faults=[dict(kind="weights", iters=list(range(12, 31)))]),
-        # No confirmed snapshot yet and no shared filesystem: only rank 0 has the checkpoint of iteration 10.
-        "disk_no_shared_fs": dict(max_iters=16, guard=dict(GUARD, confirm_steps=1000), checkpoint=disk_checkpoint,
-                                  faults=[dict(kind="weights", iters=[13], ranks=[1])], separate_work_dirs=True),
+        # No shared filesystem: only rank 0 has the checkpoint of iteration 4. Rank 1's weights are poisoned at
+        # iteration 6 on two passes: the start state, then the disk. A dynamic scale starting at 2**30 calibrates
+        # (overflows) over the first ~20 steps: no snapshot exists, the start state is the only in-memory point.
+        "disk_no_shared_fs": dict(amp=dict(init_scale=2.0 ** 30), max_iters=8, guard=TO_DISK,
+                                  checkpoint=dict(disk_checkpoint, interval=4), passes=dict(at=6, count=2, ranks=[1]),
+                                  separate_work_dirs=True),
+        # Rank 1 reads corrupt samples (its loss is NaN) for 6 consecutive steps before anything is confirmed; the
+        # work dir also holds an older run's later checkpoint. A static 512 scale (PETR's), a dynamic one
+        # (calibrating over the first ~7 steps: the start state is the only healthy state early on), fp32; with
+        # the guard's defaults (the failing batch is replayed and classified) and without the replay.
+        **{f"corrupt_rank1_{scale}{suffix}": dict(amp=amp, max_iters=18, n_samples=128, guard=dict(GUARD, **guard),
+                                                  corrupt=CORRUPT, older_run=True)
+           for scale, amp in (("static", 512.0), ("dynamic", "dynamic"), ("fp32", None))
+           for suffix, guard in (("", {}), ("_no_replay", dict(diagnose=False)))},
     }
+
+
+class Extras:
+    """What a scenario asks for beyond the family's ``build_runner`` arguments (popped from them).
+
+    Args:
+        kwargs: the scenario's arguments; ``corrupt``, ``passes`` and ``older_run`` are removed from it.
+    """
+
+    def __init__(self, kwargs: Dict[str, Any]) -> None:
+        self.corrupt: Optional[Dict[str, Any]] = kwargs.pop("corrupt", None)
+        self.passes: Optional[Dict[str, Any]] = kwargs.pop("passes", None)
+        self.older_run: bool = kwargs.pop("older_run", False)
+        self.batch_size: int = kwargs.get("batch_size", 2)
+
+    def apply(self, samples: List[Dict[str, Any]], net: torch.nn.Module) -> None:
+        """Corrupts the samples a rank reads and makes the model's loss NaN on them (every rank builds the same
+        dataset, so every rank does this; only the named rank ever reads a corrupt sample)."""
+        if self.corrupt is not None:
+            corrupt_labels(samples, self.corrupt["rank"], dist.get_world_size(), self.batch_size,
+                           self.corrupt["positions"])
+            fail_on_corrupt_labels(net)
+
+
+def corrupt_labels(samples: List[Dict[str, Any]], rank: int, world_size: int, batch_size: int,
+                   positions: Sequence[int]) -> None:
+    """Gives the first sample of ``rank``'s batches at ``positions`` (1-based, in the order the rank reads its data)
+    the label :data:`CORRUPT_LABEL`. Both families' samplers here (DistributedSampler and MMEngine's DefaultSampler,
+    unshuffled) give rank ``r`` the indices ``r, r + world_size, ...``."""
+    for pos in positions:
+        index = rank + world_size * (pos - 1) * batch_size
+        samples[index] = dict(samples[index], cls_t=torch.full_like(samples[index]["cls_t"], CORRUPT_LABEL))
+
+
+def fail_on_corrupt_labels(net: torch.nn.Module) -> None:
+    """Makes ``net.losses`` NaN (and its gradients with it) on a batch holding a corrupt label, as a loss term
+    that the head does not wrap in ``nan_to_num`` does on a degenerate annotation."""
+    losses = net.losses
+
+    def checked(inputs: torch.Tensor, cls_t: torch.Tensor, reg_t: torch.Tensor) -> Dict[str, torch.Tensor]:
+        corrupt = cls_t == CORRUPT_LABEL
+        out = losses(inputs, cls_t.masked_fill(corrupt, 0), reg_t)
+        if bool(corrupt.any()):
+            out = {k: v * float("nan") for k, v in out.items()}
+        return out
+
+    net.losses = checked
+
+
+class PoisonPasses:
+    """NaN in the weights each of the first ``count`` times iteration ``at`` (1-based) starts on ``ranks``.
+
+    The fire drill's faults fire once per iteration number; a rollback brings the run back to the same number,
+    and this poisons it again (each family's worker calls :meth:`before_iter` from a hook).
+    """
+
+    def __init__(self, at: int, count: int, ranks: Optional[Sequence[int]] = None) -> None:
+        self.at, self.left, self.ranks = at, count, ranks
+
+    def before_iter(self, counter: int, model: torch.nn.Module) -> None:
+        """``counter``: the runner's 0-based counter of the iteration about to run."""
+        rank = dist.get_rank()
+        if counter + 1 == self.at and self.left > 0 and (self.ranks is None or rank in self.ranks):
+            self.left -= 1
+            poison_weights(model)
+
+
+def write_older_checkpoint(directory: str, model: torch.nn.Module, guard_state_in_meta: bool) -> str:
+    """Writes, on rank 0, the checkpoint an older guarded run left in the work dir at a later iteration
+    (:data:`~scenarios.OLDER_CHECKPOINT`): finite weights, its own run id (MMEngine keeps the guard's state at the
+    top level, MMCV 1.x in ``meta``). Returns its path."""
+    path = os.path.join(directory, OLDER_CHECKPOINT)
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        guard = {"version": 2, "run_id": "an-older-run", "recoveries": 0}
+        meta: Dict[str, Any] = {"iter": 40, "epoch": 1}
+        ckpt: Dict[str, Any] = {"meta": meta, "state_dict": {k: v.detach().clone() for k, v in
+                                                             model.state_dict().items()}}
+        if guard_state_in_meta:
+            meta["nan_guard"] = guard
+        else:
+            ckpt["nan_guard"] = guard
+        torch.save(ckpt, path)
+    dist.barrier()
+    return path
 
 
 def parse_args(scenarios: Dict[str, Any], fp16: str) -> argparse.Namespace:

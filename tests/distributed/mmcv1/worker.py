@@ -10,7 +10,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "mmcv1"))
 sys.path.insert(0, os.path.join(HERE, "..", "common"))
 
-from worker_common import finish, init_process_group, parse_args, shared_scenarios, train, work_dir  # noqa: E402
+from worker_common import (  # noqa: E402
+    Extras,
+    PoisonPasses,
+    finish,
+    init_process_group,
+    parse_args,
+    shared_scenarios,
+    train,
+    work_dir,
+    write_older_checkpoint,
+)
 
 SCENARIOS = shared_scenarios(disk_checkpoint=dict(interval=10, by_epoch=False))
 
@@ -20,17 +30,31 @@ def main() -> None:
     rank = init_process_group(args.cuda)
     from harness import build_runner, guard_hook
     from mmcv.parallel import MMDistributedDataParallel
-    from mmcv.runner import iter_based_runner
+    from mmcv.runner import Hook, iter_based_runner
     from torch.utils.data import DataLoader, DistributedSampler
+
+    class PassesHook(Hook):
+        def __init__(self, passes: PoisonPasses) -> None:
+            self.passes = passes
+
+        def before_train_iter(self, runner):
+            self.passes.before_iter(runner.iter, runner.model.module)
 
     iter_based_runner.time = types.SimpleNamespace(sleep=lambda s: None)  # the runner's 2 s start-up nap
     kwargs = dict(SCENARIOS[args.scenario])
     directory = work_dir(args.out, rank, kwargs)
+    extras = Extras(kwargs)
+    kwargs.setdefault("n_samples", 32)
     if args.cuda:
         kwargs.update(device="cuda", fp16_type="Fp16OptimizerHook")
-    r = build_runner(directory, runner="iter", n_samples=32, **kwargs)
+    r = build_runner(directory, runner="iter", **kwargs)
     # As mmdet's train_detector does for distributed runs: DDP around the model, a DistributedSampler.
     module = r.model.module if args.cuda else r.model  # (on CUDA the harness put it in MMDataParallel)
+    extras.apply(r.loader.dataset.samples, module.net)
+    if extras.passes:
+        r.register_hook(PassesHook(PoisonPasses(**extras.passes)), priority="NORMAL")
+    if extras.older_run:
+        write_older_checkpoint(directory, module, guard_state_in_meta=True)
     r.model = MMDistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if args.cuda else None,
                                         broadcast_buffers=False)
     dataset = r.loader.dataset
