@@ -131,7 +131,7 @@ def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
 
 def test_wrong_transform_on_every_batch_stops_as_structural(tmp_path):
     wd = str(tmp_path)
-    # The first 8 samples (iterations 1-4) are served right; from then on every sample is NaN.
+    # The first 8 samples (iterations 1-4) are served right; from then on every sample is +/-Inf.
     r = build(wd, IdentifiedDataset(N, num_query=16, bug_after=8), max_epochs=3)
     with pytest.raises(StructuralDivergence, match="structural"):
         run(r)

@@ -147,7 +147,7 @@ def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
 @pytest.mark.parametrize("fraction,incidents", [(0.125, 2), (0.001, 1)])
 def test_wrong_transform_on_every_batch_stops_as_structural(tmp_path, fraction, incidents):
     wd = str(tmp_path)
-    # The first 8 samples (iterations 1-4) are served right; from then on every sample is NaN.
+    # The first 8 samples (iterations 1-4) are served right; from then on every sample is +/-Inf.
     dataset = IdentifiedDataset(N, num_query=16, bug_after=8)
     runner = build(wd, dataset, max_epochs=3, guard=dict(quarantine_fraction=fraction))
     with pytest.raises(StructuralDivergence, match="structural"):
@@ -247,3 +247,27 @@ def test_a_refused_quarantine_names_no_sample_as_quarantined(tmp_path):
     assert "would pass the bound" in rec["cause"]["evidence"]
     assert len(guard_hook(runner).guard.policy.skip) == 0
     assert not rec["cause"]["signals"].get("quarantined")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(bad={16: "nan"}), "bad sample index must be an integer in [0, 16), got 16"),
+    (dict(bad={3: "dark"}), "bad sample kind must be one of ['raw16', 'nan'], got 'dark'"),
+    (dict(bug_after=-1), "bug_after must be None or an integer >= 0, got -1"),
+    (dict(bad_tokens=0), "bad_tokens must be an integer >= 1, got 0"),
+])
+def test_identified_dataset_names_the_bad_argument(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        IdentifiedDataset(N, **kwargs)
+    assert str(err.value) == message
+
+
+def test_identified_dataset_triggers_are_in_the_data():
+    dataset = IdentifiedDataset(4, num_query=16, bad={1: "raw16", 2: "nan"}, bug_after=4)
+    first, raw16, nan = dataset[0], dataset[1]["inputs"], dataset[2]["inputs"]
+    assert bool(torch.isfinite(first["inputs"]).all()) and first["sample_idx"] == sample_token(0) == "sample-0000-tok"
+    assert float(raw16.max()) == 65535.0 and bool(torch.isinf(raw16.half()).any())  # finite, but not in fp16
+    assert bool(nan[:4].isnan().all()) and bool(torch.isfinite(nan[4:]).all())
+    assert bool(torch.isfinite(dataset[3]["inputs"]).all()) and dataset.calls == 4
+    assert not bool(torch.isfinite(dataset[0]["inputs"]).any())  # the 5th call: the wrong transform, any sample
+    assert dataset.served == {0: 2, 1: 1, 2: 1, 3: 1}
+    assert dataset.data_infos[3] == {"sample_idx": sample_token(3)} and dataset.data_list is dataset.data_infos
