@@ -33,7 +33,8 @@ RUNS = {
     "known_fix": ("known fix, unguarded", "the known manual fix (transformer dropout 0, max_norm 1) from the start"),
     "guarded": ("default + NanGuardHook", "dropout 0.1, max_norm 35, NanGuardHook on"),
     "reference": ("reference (stable lr)", "dropout 0.1, max_norm 35, the stable learning rate"),
-    "adaptive_clip": ("default + adaptive clip", "dropout 0.1, max_norm 35, clipped at min(35, mean + z*std)"),
+    "adaptive_clip": ("guarded + adaptive clip", "dropout 0.1, max_norm 35, NanGuardHook(adaptive_clip=True): "
+                                                 "clipped at min(35, mean + z*std)"),
 }
 
 #: The smallest ``--iters``: the guarded data_burst run recovers from here on (measured; 12 gives up).
@@ -63,7 +64,8 @@ class DemoSettings:
         num_layers: decoder layers (each the PETR decoder layer).
         warmup: linear warm-up iterations (PETR: from 1/3), then cosine.
         guard: keyword arguments of ``NanGuardHook`` for the ``guarded`` run.
-        adaptive: ``GradNormMonitor`` arguments of the ``adaptive_clip`` run.
+        adaptive: further ``NanGuardHook`` arguments of the ``adaptive_clip`` run (the guarded run's plus
+            ``adaptive_clip=True`` and the grad_norm window it clips from).
     """
 
     scenario: str = "data_burst"
@@ -125,7 +127,8 @@ def settings_for(scenario: str = "data_burst", iters: Optional[int] = None, quic
     if scenario == "dynamics":
         runs = ("unguarded", "known_fix", "guarded", "reference", "adaptive_clip")
         return DemoSettings(scenario, n, lr=DYNAMICS_LR, reference_lr=STABLE_LR, runs=runs, warmup=warmup,
-                            guard=_guard_settings(n), adaptive=dict(window=50, z=3.0, warmup=10))
+                            guard=_guard_settings(n),
+                            adaptive=dict(adaptive_clip=True, spike_window=50, spike_z=3.0, spike_warmup=10))
     return DemoSettings(scenario, n, lr=PETR_LR, reference_lr=PETR_LR, runs=("unguarded", "known_fix", "guarded"),
                         burst_at=int(n * 0.6) + 1, burst_frames=4, warmup=warmup, guard=_guard_settings(n))
 
@@ -146,7 +149,8 @@ class RunResult:
     ``finished``: every iteration ran (the guard did not give up). ``state_finite``: weights and buffers finite
     at the end. ``eval_loss``: held-out loss in eval mode read before PETR's ``nan_to_num`` (None when not
     finite). ``lost``: state not finite, no finite held-out loss, or training stalled (the last tenth of the
-    steps all skipped by the loss scaler).
+    steps all skipped by the loss scaler). Guarded runs: ``causes`` (each divergence's class), ``held`` (the
+    dynamics ladder's rungs that held) and ``lr_factor`` (the product of the guard's learning-rate backoffs).
     """
 
     key: str
@@ -165,6 +169,9 @@ class RunResult:
     outcome: str = "completed"
     curve: List[List[float]] = field(default_factory=list)
     incident_iters: List[int] = field(default_factory=list)
+    causes: List[str] = field(default_factory=list)
+    held: List[str] = field(default_factory=list)
+    lr_factor: float = 1.0
 
 
 def _import_mmengine() -> Any:
@@ -203,30 +210,6 @@ def _make_data(s: DemoSettings) -> Tuple[list, list]:
     return train, heldout
 
 
-def _adaptive_clip_hook(s: DemoSettings, max_norm: float) -> Any:
-    """Adaptive clipping for the measurement: after each step, the live ``max_norm`` becomes ``clip_bound``."""
-    Hook, _ = _import_mmengine()
-    from petr_stability.core.spikes import GradNormMonitor
-
-    class _AdaptiveClip(Hook):
-        priority = "BELOW_NORMAL"
-
-        def __init__(self) -> None:
-            self.monitor = GradNormMonitor(**s.adaptive)
-            self.warnings: List[str] = []
-
-        def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
-            hub = runner.message_hub
-            if "train/grad_norm" not in hub.log_scalars:
-                return
-            warning = self.monitor.observe(float(hub.get_scalar("train/grad_norm").current()))
-            if warning:
-                self.warnings.append(f"iter {runner.iter + 1}: {warning}")
-            runner.optim_wrapper.clip_grad_kwargs["max_norm"] = self.monitor.clip_bound(max_norm)
-
-    return _AdaptiveClip()
-
-
 def _build_runner(key: str, work_dir: str, s: DemoSettings, train: list, hooks: List[Any]) -> Any:
     _, Runner = _import_mmengine()
     from petr_stability.testing.mmengine_cpu import ListDataset
@@ -242,8 +225,8 @@ def _build_runner(key: str, work_dir: str, s: DemoSettings, train: list, hooks: 
     hooks = list(hooks)
     if key == "guarded":
         hooks.insert(0, dict(type="NanGuardHook", **s.guard))
-    if key == "adaptive_clip":
-        hooks.insert(0, _adaptive_clip_hook(s, 35.0))
+    if key == "adaptive_clip":  # the guard's own adaptive clip (GuardConfig.adaptive_clip), the guard on as well
+        hooks.insert(0, dict(type="NanGuardHook", **dict(s.guard, **s.adaptive)))
     warmup = max(1, s.warmup)
     return Runner(
         model=dict(type="PETRLikeModel", num_layers=s.num_layers, num_query=s.num_query,
@@ -311,8 +294,12 @@ def _progress_hooks(result: RunResult, work_dir: str, total: int, echo: bool) ->
                     back = rec.get("restored_from") or {}
                     where = (f"rolled back to iter {int(back['iteration']) + 1}, "
                              f"{rec.get('iterations_lost', 0)} iteration(s) lost" if back else rec.get("event", ""))
-                    print(f"    ! guard: incident at iter {rec.get('iteration')}: {rec.get('reason')}; {where}; "
-                          f"{len(rec.get('actions', []))} setting(s) changed", flush=True)
+                    cause = (rec.get("cause") or {}).get("cause", "?")
+                    acts = rec.get("actions", [])
+                    shown = ", ".join(f"{a['target']} {_short(a['old'])} -> {_short(a['new'])}" for a in acts[:2])
+                    print(f"    ! guard: incident at iter {rec.get('iteration')}: {rec.get('reason')}; cause {cause}; "
+                          f"{where}; {len(acts)} setting(s) changed" + (f" ({shown}{', ...' if len(acts) > 2 else ''})"
+                                                                        if acts else ""), flush=True)
             self.seen = len(records)
             now = runner.iter + 1
             if echo and (now % every == 0 or now == total) and result.curve:
@@ -322,6 +309,10 @@ def _progress_hooks(result: RunResult, work_dir: str, total: int, echo: bool) ->
                       f"incidents {self.seen}  {time.perf_counter() - t0:5.1f}s", flush=True)
 
     return [_Meter(), _Printer()]
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def _finite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -395,12 +386,14 @@ def _run_one(key: str, root: str, s: DemoSettings, train: list, heldout: list, e
     tail = result.curve[-max(1, s.iters // 10):]
     stalled = bool(tail) and all(not math.isfinite(p[4]) for p in tail)
     result.lost = not result.state_finite or result.eval_loss is None or stalled or not result.finished
-    if key == "adaptive_clip" and echo:
-        hook = next(h for h in runner.hooks if type(h).__name__ == "_AdaptiveClip")
-        for line in hook.warnings[:5]:
-            print(f"    ! {line}")
-        if len(hook.warnings) > 5:
-            print(f"    ! ... {len(hook.warnings) - 5} more spike warning(s)")
+    guard = next((h.guard for h in runner.hooks if type(h).__name__ == "NanGuardHook"), None)
+    if guard is not None:
+        result.causes = [str((r.get("cause") or {}).get("cause")) for r in records if r.get("event") == "divergence"]
+        result.held = [str(i["held"]["rung"]) for i in guard.policy.history.incidents
+                       if (i.get("held") or {}).get("rung")]
+        result.lr_factor = float(guard.policy.lr_factor)
+        if echo and result.held:
+            print(f"    guard: the ladder's rung that held: {'; '.join(result.held)}", flush=True)
     if stalled and result.outcome == "completed":
         result.outcome = "stalled: every late step skipped"
     return result

@@ -7,6 +7,8 @@ import pytest
 from petr_stability.cli import main
 from petr_stability.tools.demo import MIN_ITERS, RUNS, SCENARIOS, settings_for
 
+#: The runs with a NanGuardHook: ``adaptive_clip`` is the guard with its own ``adaptive_clip=True``.
+GUARDED = ("guarded", "adaptive_clip")
 SUMMARY_KEYS = {"finished": bool, "state_finite": bool, "eval_loss": (float, type(None)), "incidents": int,
                 "iters_lost": int, "wall_s": float}
 
@@ -23,6 +25,24 @@ def test_settings_validate():
     dyn = settings_for("dynamics")
     assert dyn.burst_at == 0 and dyn.lr > dyn.reference_lr  # nothing planted; only the learning rate differs
     assert set(dyn.runs) == set(RUNS)
+
+
+def test_adaptive_clip_run_is_the_guards_own_option(tmp_path):
+    """The adaptive_clip run is NanGuardHook(adaptive_clip=True) with the guarded run's settings; no demo-side hook."""
+    from petr_stability.tools import demo
+
+    s = settings_for("dynamics", quick=True)
+    train, _ = demo._make_data(s)
+    runner = demo._build_runner("adaptive_clip", str(tmp_path / "a"), s, train, [])
+    hooks = [h for h in runner.hooks if type(h).__name__ == "NanGuardHook"]
+    assert len(hooks) == 1
+    config = hooks[0].config
+    assert config.adaptive_clip is True and config.snapshot_interval == s.guard["snapshot_interval"]
+    assert config.spike_window == s.adaptive["spike_window"]
+    plain = demo._build_runner("guarded", str(tmp_path / "g"), s, train, [])
+    assert [h.config.adaptive_clip for h in plain.hooks if type(h).__name__ == "NanGuardHook"] == [False]
+    assert not any(type(h).__name__ == "NanGuardHook" for h in
+                   demo._build_runner("unguarded", str(tmp_path / "u"), s, train, []).hooks)
 
 
 def test_bad_scenario_is_a_usage_error(capsys):
@@ -47,11 +67,13 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
                 assert isinstance(run[field], kind), (name, key, field, run[field])
             assert run["eval_loss"] is None or math.isfinite(run["eval_loss"])
             assert run["wall_s"] > 0
-            # Only the guarded run has a guard: the others never log incidents; its count matches its log.
+            # Only the guarded runs have a guard: the others never log incidents; the count matches the log's
+            # divergences and stalls (a 'gave_up' record closes a run and is not an incident of its own).
             log = work / name / key / "nan_guard_incidents.jsonl"
-            n = len(log.read_text().splitlines()) if log.exists() else 0
-            assert run["incidents"] == n
-            if key != "guarded":
+            records = [json.loads(ln) for ln in log.read_text().splitlines()] if log.exists() else []
+            assert run["incidents"] == sum(r["event"] in ("divergence", "stalled") for r in records)
+            assert run["finished"] or any(r["event"] == "gave_up" for r in records)
+            if key not in GUARDED:
                 assert run["incidents"] == run["iters_lost"] == 0
         # The printed table says what the summary says, row by row.
         table = out[out.index(f"== {name}"):]
@@ -64,5 +86,12 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
             assert cols[2] == ("NaN/Inf" if run["eval_loss"] is None else f"{run['eval_loss']:.3f}")
             assert int(cols[3]) == run["incidents"] and int(cols[4]) == run["iters_lost"]
             assert f"{run['wall_s']:.1f}s" in cols
+    # details.json: each guarded run's divergence classes, one per divergence the summary counts.
+    details = json.loads((work / "details.json").read_text())
+    for name, scenario in details.items():
+        for run in scenario["runs"]:
+            if run["key"] in GUARDED:
+                n = summary["scenarios"][name]["runs"][run["key"]]["incidents"]
+                assert len(run["causes"]) <= n and 0 < run["lr_factor"] <= 1
     assert (work / "demo.png").stat().st_size > 10_000
     assert "NanGuardHook(snapshot_interval=" in out and "the known manual fix" in out
