@@ -35,6 +35,7 @@ __all__ = [
     "ACTIONS",
     "ADVICE",
     "classify",
+    "recurring",
     "merge",
     "agree",
     "scale_lr",
@@ -220,10 +221,11 @@ def _evidence_cause(report: Mapping[str, Any]) -> Tuple[Cause, str, List[str], D
         if module:
             check = rep["fp32_check"]
             signals["fp32_check"] = {k: check.get(k) for k in ("module", "fixed_by", "max_abs")}
+            made = (f"is made by the code that feeds {check['module']} (its input)" if check.get("where") == "input"
+                    else f"appears in the fp16 forward of {check['module']} from finite inputs within fp16 range")
             return (Cause.FORWARD_OVERFLOW,
-                    f"on the {where} weights the first NaN/Inf appears in the fp16 forward of {check['module']} from "
-                    f"finite inputs within fp16 range, and {module} re-run alone in fp32 on the same inputs is finite "
-                    f"(max |x| {check.get('max_abs')}, within {FP16_MAX:g})", [module], signals)
+                    f"on the {where} weights the first NaN/Inf {made}, and {module} re-run alone in fp32 on the same "
+                    f"inputs is finite (max |x| {check.get('max_abs')}, within {FP16_MAX:g})", [module], signals)
     if first and first.get("where") == "input" and first.get("module") == "(model)":
         return Cause.DATA, "the batch itself arrives holding NaN/Inf at the model's input", [], signals
     if healthy is not None:
@@ -241,7 +243,7 @@ def _evidence_cause(report: Mapping[str, Any]) -> Tuple[Cause, str, List[str], D
 
 
 def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory] = None,
-             iteration: Optional[int] = None) -> Classification:
+             iteration: Optional[int] = None, recurrence: bool = True) -> Classification:
     """Classifies one confirmed divergence from its replay report.
 
     The replay decides (fp16 overflow fixed by fp32 > a non-finite batch or one that breaks the healthy weights =
@@ -257,6 +259,8 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
         history: earlier incidents. Defaults to None (an empty history with its defaults).
         iteration: the iteration of this incident (1-based, the guard's numbering). Defaults to None (unknown: no
             first-iterations rule).
+        recurrence: apply the back-to-back data rule here. The guard applies it after the ranks agreed instead
+            (:func:`recurring`), and only when every rank's batch broke. Defaults to True.
 
     Returns:
         The :class:`Classification`.
@@ -279,14 +283,27 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
         return Classification(Cause.STRUCTURAL, f"{evidence}; and the remedies for {cause} are spent "
                                                 f"({history.spent[cause.value]}): divergences keep coming on new data",
                               modules, dict(signals, evidence_cause=cause.value))
+    c = Classification(cause, evidence, modules, signals)
+    return recurring(c, history, iteration) if recurrence else c
+
+
+def recurring(c: Classification, history: CauseHistory, iteration: Optional[int]) -> Classification:
+    """A data divergence fewer than ``history.recurrence_window`` iterations after the previous data incident (its
+    rollback point, or the incident itself where the run went on without one), whose samples were quarantined, is
+    structural: the batches keep breaking, not one sample. Returns ``c`` unchanged otherwise."""
     last = history.last()
-    if cause == Cause.DATA and last is not None and last["cause"] == Cause.DATA.value and iteration is not None:
-        clean = history.clean_since_last(iteration)
-        if clean is not None and clean < history.recurrence_window:
-            return Classification(Cause.STRUCTURAL, f"{evidence}; and only {clean} iteration(s) after the previous "
-                                                    "batch was quarantined: every batch breaks, not one sample",
-                                  modules, dict(signals, evidence_cause=cause.value, clean_iterations=clean))
-    return Classification(cause, evidence, modules, signals)
+    # Only after a quarantine: its samples are gone, yet the next batch breaks too. Without one (no sample ids),
+    # two bad batches in a row are a burst of bad data as much as a bug.
+    if (c.cause != Cause.DATA or last is None or last["cause"] != Cause.DATA.value or iteration is None
+            or not last.get("quarantined", True)):
+        return c
+    clean = history.clean_since_last(iteration)
+    if clean is None or clean >= history.recurrence_window:
+        return c
+    return Classification(Cause.STRUCTURAL, f"{c.evidence}; and only {clean} iteration(s) after the previous bad "
+                                            "batch: every batch breaks, not one sample",
+                          c.modules, dict(c.signals, evidence_cause=Cause.DATA.value, clean_iterations=clean),
+                          dict(c.ranks))
 
 
 def merge(classifications: Sequence[Optional[Classification]]) -> Classification:

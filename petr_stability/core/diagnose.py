@@ -250,8 +250,14 @@ def _max_abs(obj: Any) -> float:
 
 
 def _fp32_check(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[Mapping[str, Any]],
-                target_name: str) -> Dict[str, Any]:
+                target_name: str, where: str = "output") -> Dict[str, Any]:
     """Re-runs the batch up to the first non-finite output of ``target_name``, then that module alone in fp32.
+
+    With ``where='input'`` the re-run stops where ``target_name`` first *receives* a non-finite input: functional
+    code of the calling module made it (an attention's own ``softmax(q @ k.T)`` before its ``out_proj``), so the
+    calls enclosing it, from the inside out, are the candidates. The dtype is no gate: a module adding an fp32
+    residual returns float32 although its overflow happened in fp16, and a re-run that changes nothing (no
+    autocast) never reports a fix.
 
     The re-run records, for every module call on the way in, its inputs and the RNG state just before it, and stops
     when the target returns its non-finite output. Then the target, and if need be each enclosing call from the
@@ -268,17 +274,21 @@ def _fp32_check(model: nn.Module, forward: Callable[[], Any], rng_state: Optiona
     for name, module in model.named_modules(remove_duplicate=False):
         names.setdefault(module, name or "(model)")
     target = model if target_name == "(model)" else model.get_submodule(target_name)
-    result: Dict[str, Any] = {"module": target_name, "type": type(target).__name__}
+    result: Dict[str, Any] = {"module": target_name, "type": type(target).__name__, "where": where}
     stack: List[Tuple[nn.Module, Any, Any, Dict[str, Any]]] = []
     path: List[Tuple[nn.Module, Any, Any, Dict[str, Any]]] = []
     handles = []
 
     def pre(module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        if where == "input" and module is target and not path and not math.isfinite(_max_abs((args, kwargs))):
+            path.extend(stack[::-1])  # the calls whose code made this input, from the inside out
+            raise _Found()
         stack.append((module, args, kwargs, capture_rng()))
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
         entry = stack.pop() if stack else None
-        if module is target and entry is not None and not path and not math.isfinite(_max_abs(output)):
+        if (where == "output" and module is target and entry is not None and not path
+                and not math.isfinite(_max_abs(output))):
             path.extend([entry] + stack[::-1])  # the target, then its enclosing calls from the inside out
             raise _Found()
 
@@ -436,10 +446,10 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
                 first = rec.first_nonfinite("backward")
                 report["backward"] = "run"
             del loss
-        if (fp32_check and first is not None and first.phase == "forward" and first.where == "output"
-                and first.dtype in ("float16", "bfloat16")):
+        if fp32_check and first is not None and first.phase == "forward" and (
+                first.where == "output" or (first.where == "input" and first.module != "(model)")):
             rec.remove()
-            report["fp32_check"] = _fp32_check(model, forward, rng_state, first.module)
+            report["fp32_check"] = _fp32_check(model, forward, rng_state, first.module, first.where)
     finally:
         rec.remove()
         state.restore()

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from . import distributed
-from .causes import Cause, Classification
+from .causes import Cause, Classification, nonfinite_attributes
 from .detector import Decision, DetectorConfig, DivergenceDetector, StepSignals, Verdict
 from .diagnose import diagnose_step, summarize
 from .errors import NanGuardGaveUp, NoHealthyStateError, StructuralDivergence, UnsafeCheckpointError
@@ -221,6 +221,7 @@ class NanGuard:
         #: The configured max_norm per clip setting (lowered by remedies): adaptive clipping never goes above it.
         self._clip_base: Dict[str, float] = {}
         self._data_attached = False
+        self._bad_attributes: List[str] = []
         #: Called on every rank with each incident record after it was written (the driver writes the patched
         #: config there).
         self.listeners: List[Callable[[Dict[str, Any]], None]] = []
@@ -369,7 +370,19 @@ class NanGuard:
         self.io.log(f"NanGuard: {what} at iter {signals.iteration} ({decision.reason})", "warning")
 
     def _healthy(self, optimizer: bool) -> bool:
-        return state_finite(self.io.model(), self.io.optimizers() if optimizer else ())
+        model = self.io.model()
+        if not state_finite(model, self.io.optimizers() if optimizer else ()):
+            return False
+        if optimizer:
+            # Tensors modules hold as plain attributes (StreamPETR's memory queue): outside state_dict(), hidden by
+            # PETR's nan_to_num, and carried into every later step. Checked with the full checks only (cheap).
+            bad = nonfinite_attributes(model)
+            self._bad_attributes = bad
+            if bad:
+                self.io.log(f"NanGuard: non-finite values in module attributes outside the state dict: "
+                            f"{', '.join(bad[:5])}", "warning")
+                return False
+        return True
 
     def _copy_state(self) -> Dict[str, Any]:
         if self._holds_no_tensors():
@@ -425,6 +438,14 @@ class NanGuard:
             self.dropout_zeroed = True
         return changes
 
+    def _known_fix_in_effect(self) -> bool:
+        """Every enabled setting of the known manual fix is in force already (max_norm at or below its target,
+        transformer dropout zeroed)."""
+        target = self.config.clip_target(self.recoveries + 1)
+        clip_done = "clip" not in self.config.remedies or all(
+            c.max_norm is not None and c.max_norm <= target for c in self.io.clip_settings() if c.kind == "norm")
+        return clip_done and ("dropout" not in self.config.remedies or self.dropout_zeroed)
+
     def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
         change = self.io.make_scale_dynamic() if "scale" in self.config.remedies else None
         if change is None:
@@ -477,7 +498,11 @@ class NanGuard:
             self._give_up(signals, decision, NanGuardGaveUp,
                           f"the recovery budget is spent ({self.recoveries} of max_recoveries="
                           f"{self.config.max_recoveries})", cls=cls)
-        changes = self.policy.before_rollback(cls, self.io, self.batch) if cls.cause != Cause.STRUCTURAL else []
+        # Only a rank whose own step broke (it ran the diagnosis) names its batch for the quarantine.
+        batch = self.batch if self.last_diagnosis is not None else None
+        state_ok = self._state_checked_finite(signals)
+        changes = (self.policy.before_rollback(cls, self.io, batch, state_ok, self._known_fix_in_effect())
+                   if cls.cause != Cause.STRUCTURAL else [])
         if cls.cause == Cause.STRUCTURAL:
             self._give_up(signals, decision, StructuralDivergence,
                           f"the divergence is structural: {cls.evidence}. Look at: {self.policy.advice()}", cls=cls)
@@ -487,7 +512,13 @@ class NanGuard:
             self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
         restored: Dict[str, Any] = {}
         lost = 0
-        if "rollback" in self.config.remedies:
+        # Bad data met a state checked finite on every rank (the scaler or the fp32 skip kept it out): the state is
+        # not what broke, so the run goes on from it, nothing lost.
+        keep_state = cls.cause == Cause.DATA and state_ok
+        if keep_state:
+            self.io.log(f"NanGuard: iter {iteration}: the state is finite on every rank; the bad batch is skipped, "
+                        "no rollback")
+        if "rollback" in self.config.remedies and not keep_state:
             payload = self._next_restore_point(iteration)
             if payload is None:
                 tried = ", ".join(sorted(self._tried)) or "none existed"
@@ -561,6 +592,16 @@ class NanGuard:
             if payload is not None:
                 return payload
         return None
+
+    @staticmethod
+    def _state_checked_finite(signals: StepSignals) -> bool:
+        """Every rank that checked its state at this step found it finite, and at least one checked (a collective).
+
+        DDP replicas hold the same weights, so one rank's check speaks for the state of all.
+        """
+        bad, checked = distributed.reduce_max([int(signals.weights_finite is False),
+                                               int(signals.weights_finite is True)])
+        return bool(checked) and not bad
 
     def _snapshot_payload(self, snap: Snapshot, source: str = "memory") -> Payload:
         payload = snap.ready_payload()
@@ -647,6 +688,7 @@ class NanGuard:
             "recoveries": self.recoveries,
             "max_recoveries": self.config.max_recoveries,
             "world_size": distributed.get_world_size(),
+            **({"nonfinite_attributes": list(self._bad_attributes)} if self._bad_attributes else {}),
         }
 
     def _publish(self, loss_scale: Optional[float] = None) -> None:

@@ -33,6 +33,7 @@ from .causes import (
     classify,
     exploded_params,
     fp32_modules,
+    recurring,
     reset_moments,
     reset_temporal_state,
     scale_lr,
@@ -121,11 +122,18 @@ class CausePolicy:
 
     # ------------------------------------------------------------------ one incident
     def classify(self, report: Optional[Dict[str, Any]], iteration: int) -> Classification:
-        """The class every rank acts on (a collective: every rank calls it at the same point)."""
-        local = classify(report, self.history, iteration) if report is not None else None
+        """The class every rank acts on (a collective: every rank calls it at the same point).
+
+        Back-to-back data incidents make a run structural only when every rank's batch broke: bad samples on
+        one rank of many (a corrupt scene) are data however often they come; a bug breaks every rank's batches.
+        """
+        local = classify(report, self.history, iteration, recurrence=False) if report is not None else None
         if local is None and not distributed.is_distributed():
-            local = classify(None, self.history, iteration)
-        return agree(local)
+            local = classify(None, self.history, iteration, recurrence=False)
+        agreed = agree(local)
+        everywhere = len(agreed.ranks) >= distributed.get_world_size() and all(
+            r == Cause.DATA.value for r in agreed.ranks.values())
+        return recurring(agreed, self.history, iteration) if everywhere or not agreed.ranks else agreed
 
     def held(self, iteration: int) -> Optional[str]:
         """A recovery held (a state taken after it is confirmed): the chain ends; the rung that held, if any, is
@@ -136,25 +144,44 @@ class CausePolicy:
             last["held"] = {"iteration": iteration, "rung": LADDER[rung - 1] if rung else None}
         return LADDER[rung - 1] if rung else None
 
-    def before_rollback(self, c: Classification, io: GuardIO, batch: Any) -> List[Change]:
-        """Actions that need the failing step's state (its batch, its gradients); may turn ``c`` structural."""
+    def before_rollback(self, c: Classification, io: GuardIO, batch: Any, state_finite: bool,
+                        known_fix_in_effect: bool = False) -> List[Change]:
+        """Actions that need the failing step's state (its batch, its gradients); may turn ``c`` structural.
+
+        Args:
+            c: the agreed class (edited in place when the class changes).
+            io: the adapter.
+            batch: this rank's failing batch, or None where this rank's step was clean.
+            state_finite: the live state was checked finite on every rank that checked it.
+            known_fix_in_effect: the first rung's settings are all in force already (a new chain then starts at the
+                second rung: a rollback that changes nothing is a rollback spent).
+        """
         changes: List[Change] = []
         if c.cause == Cause.DATA:
             changes = self._quarantine(c, io, batch)
-            if changes is None:  # nothing to name: treat as dynamics
+            if changes is None and state_finite:  # nothing to name, nothing broken: the batch just goes by
+                c.evidence += "; its samples cannot be named (no sample ids in the batch): nothing quarantined"
+                changes = []
+            elif changes is None:  # nothing to name and the state is broken: treat as dynamics
                 c.signals["evidence_cause"] = Cause.DATA.value
                 c.cause, c.evidence = Cause.DYNAMICS, c.evidence + "; its samples cannot be named: the ladder instead"
                 changes = []
+        if c.cause == Cause.FORWARD_OVERFLOW and "fp32" not in self.remedies:
+            c.signals["evidence_cause"] = Cause.FORWARD_OVERFLOW.value
+            c.cause, c.evidence = Cause.DYNAMICS, c.evidence + "; the fp32 remedy is off: the ladder instead"
         if c.cause == Cause.FORWARD_OVERFLOW:
-            if "fp32" not in self.remedies or all(m in self.fp32 for m in c.modules):
+            if all(m in self.fp32 for m in c.modules):
                 self.history.mark_spent(Cause.FORWARD_OVERFLOW, f"{c.modules} already run in fp32")
                 c.cause = Cause.STRUCTURAL
-                c.evidence += "; the module already runs in fp32 (or the fp32 remedy is off)"
+                c.evidence += "; the module already runs in fp32"
                 return []
             changes = apply_fp32(io.model(), c.modules)
             self.fp32.extend(m for m in c.modules if m not in self.fp32)
         if c.cause in (Cause.DYNAMICS, Cause.UNKNOWN):
             self.rung += 1
+            if self.rung == 1 and known_fix_in_effect:
+                self.rung = 2
+                c.evidence += "; the known manual fix is in force already: the next rung"
             if self.rung > len(LADDER):
                 self.history.mark_spent(Cause.DYNAMICS, "every rung of the ladder was tried")
                 c.cause = Cause.STRUCTURAL
@@ -194,6 +221,7 @@ class CausePolicy:
         evidence = c.signals.get("evidence_cause")
         as_seen = Classification(Cause(evidence), c.evidence, c.modules) if evidence else c
         self.history.record(as_seen, iteration, restored_to)
+        self.history.incidents[-1]["quarantined"] = bool(c.signals.get("quarantined"))
 
     @staticmethod
     def advice() -> str:
@@ -211,13 +239,14 @@ class CausePolicy:
         indices = sorted(set(resolve_indices(io.dataset(), ids))) if ids else []
         if not indices:
             return None
-        c.signals["quarantined"] = ids
         before = len(self.skip)
         if not self.skip.add(indices, {"iteration": c.signals.get("iteration")}):
             self.history.mark_spent(Cause.DATA, f"the skip list is full ({self.skip.capacity} samples)")
+            c.signals.update(evidence_cause=Cause.DATA.value, refused=ids)
             c.cause = Cause.STRUCTURAL
             c.evidence += f"; quarantining {indices} would pass the bound of {self.skip.capacity} sample(s)"
             return []
+        c.signals["quarantined"] = ids
         return [Change("quarantine.samples", before, len(self.skip))]
 
     @staticmethod

@@ -5,7 +5,6 @@ weights: a sample with raw 16-bit pixels served every epoch (data: quarantined),
 overflow (forward overflow: that module in fp32), a wrong transform in the dataset from some call on (a bug:
 structural), a NaN frame poisoning a StreamPETR-style memory (the memory reset after the rollback).
 """
-import json
 import math
 import uuid
 from typing import Any, List, Optional
@@ -20,7 +19,7 @@ from torch.utils.data import default_collate
 import petr_stability  # noqa: F401  (registers the hooks)
 from petr_stability import read_incidents
 from petr_stability.core.causes import fp32_modules, release_fp32
-from petr_stability.core.errors import StructuralDivergence
+from petr_stability.core.errors import NanGuardGaveUp, StructuralDivergence
 from petr_stability.testing.causes_models import (
     DropsSampleIds,
     IdentifiedDataset,
@@ -194,31 +193,22 @@ def test_without_the_temporal_reset_the_poisoned_memory_stays_nan(tmp_path):
         runner.train()
     except Exception:  # noqa: BLE001  (whether it gives up or not, the memory is what this test reads)
         pass
-    assert probe.states[4] == "nan" and "nan" in probe.states[5:]
+    assert probe.states[4] == "nan"  # the NaN frame poisoned the memory; no rollback clears it without the reset
     assert not math.isfinite(float(runner.model.net.pts_bbox_head.memory_embedding.abs().max()))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 15 item 3 ('health checks cover tensors such modules hold as attributes where cheap'): "
-    "core.causes.nonfinite_attributes exists but no guard health check calls it; with the 'temporal' remedy off, "
-    "net.pts_bbox_head.memory_embedding stays NaN from iter 5 to the end of the run and nothing reports it (one "
-    "incident, the data one at iter 5; the head trains on NaN queries that PETR's nan_to_num hides)"))
 def test_a_memory_left_nan_is_reported_by_the_health_checks(tmp_path):
     wd = str(tmp_path)
     remedies = [r for r in petr_stability.core.guard.REMEDIES if r != "temporal"]
     runner = build(wd, IdentifiedDataset(N, num_query=16, bad={BAD: "nan"}), max_epochs=2,
                    net=build_memory_net(**SMALL), guard=dict(remedies=remedies))
-    runner.train()
+    with pytest.raises(NanGuardGaveUp):  # the state a rollback cannot reach stays poisoned: the run stops
+        runner.train()
     assert runner.model.net.pts_bbox_head.memory_embedding.isnan().any()  # the premise: left NaN
-    assert any("memory_embedding" in json.dumps(rec) for rec in read_incidents(wd)[1:])
+    later = read_incidents(wd)[1:]
+    assert later and later[0]["nonfinite_attributes"] == ["net.pts_bbox_head.memory_embedding"]
 
 
-@pytest.mark.xfail(strict=True, raises=StructuralDivergence, reason=(
-    "core/diagnose.py runs the fp32 check only when the first non-finite value is a module's half-precision "
-    "*output*; here it is attn.out_proj's *input* (made by functional code in CROSS_ATTN's forward from finite "
-    "inputs), so no fp32 check runs, classify() calls it data (the batch breaks the start weights too), 2 healthy "
-    "samples are quarantined, and the next batch makes it structural: StructuralDivergence at iter 4 of a run "
-    "whose fix is CROSS_ATTN in fp32. Expected: the fp32 check tries the caller whose forward made the value"))
 def test_overflow_in_an_attentions_own_forward_code_is_a_forward_overflow(tmp_path):
     # The same overflow computed by plain calls inside the attention's forward (no kernel module around it), as
     # attentions written with functional calls do: the first non-finite value a module hook sees is the fp16 input
@@ -232,10 +222,6 @@ def test_overflow_in_an_attentions_own_forward_code_is_a_forward_overflow(tmp_pa
     assert runner.iter == 16 and fp32_modules(runner.model) == [CROSS_ATTN]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "core/policy.py CausePolicy._quarantine sets c.signals['quarantined'] = ids before SkipList.add refuses them "
-    "(past the bound): the gave_up record's cause.signals.quarantined names samples 8 and 9 that were never "
-    "quarantined (the skip list is empty)"))
 def test_a_refused_quarantine_names_no_sample_as_quarantined(tmp_path):
     wd = str(tmp_path)
     # 2 samples per batch, a bound of 1: the skip list refuses the batch and the run stops as structural.
