@@ -42,6 +42,7 @@ class MMEngineIO(GuardIO):
         self.probes: List[ClipProbe] = []
         #: A CheckpointHook saves after this iteration (set by the hook, read as health_check_due).
         self.save_due = False
+        self._held_save_begin: List[Tuple[Any, int]] = []
 
     # -- objects
     def _wrappers(self) -> List[Tuple[str, Any]]:
@@ -268,6 +269,22 @@ class MMEngineIO(GuardIO):
     def restored_lr_schedulers(self) -> List[Any]:
         return [s for s in self.lr_schedulers() if not getattr(s, "by_epoch", False)]
 
+    def after_recovery(self, state: Dict[str, Any], inside: bool) -> None:
+        # A rollback to the start state leaves the counter at -1 for the hooks after the guard in this iteration:
+        # CheckpointHook would read (-1 + 1) % interval == 0 and save an iter_0.pth nobody asked for. Its
+        # save_begin is held past -1 until the next iteration starts.
+        if self.runner.iter < 0:
+            for hook in self.runner.hooks:
+                if isinstance(hook, CheckpointHook) and not hook.by_epoch:
+                    self._held_save_begin.append((hook, hook.save_begin))
+                    hook.save_begin = 1
+
+    def release_checkpoint_hooks(self) -> None:
+        """As the next iteration starts: the checkpoint hooks held by :meth:`after_recovery` save as configured."""
+        for hook, save_begin in self._held_save_begin:
+            hook.save_begin = save_begin
+        self._held_save_begin = []
+
     def run_config(self) -> Optional[RunConfig]:
         cfg = getattr(self.runner, "cfg", None)
         return RunConfig(cfg, getattr(cfg, "filename", None)) if cfg else None  # a Runner built without a config
@@ -326,6 +343,7 @@ class NanGuardHook(DrivenHook, Hook):
         self.driver.start()
 
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+        self.io.release_checkpoint_hooks()
         self.driver.before_iter(data_batch)
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:

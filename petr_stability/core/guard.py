@@ -580,6 +580,18 @@ class NanGuard:
             yield _Point("checkpoints", "checkpoint", -1, lambda: self._checkpoint_payload(now))
 
     def _next_restore_point(self, now: int) -> Optional[Payload]:
+        payload = self._first_untried_point(now)
+        start = self.start
+        if payload is None and start is not None and now - start.iteration > 1:
+            # Every point is spent, but the run's start state cannot be what diverged when training went on from it
+            # for more than one iteration, on data that moved on: it is the last healthy state of this run, and is
+            # tried again (bounded by max_recoveries) rather than giving up while it exists. A run whose steps after
+            # a restore are all loss-scale calibration (no snapshot can be confirmed) needs this.
+            self._tried.discard(f"start state (iter {start.iteration})")
+            payload = self._first_untried_point(now)
+        return payload
+
+    def _first_untried_point(self, now: int) -> Optional[Payload]:
         for point in self._restore_points(now):
             if point.key in self._tried:
                 continue

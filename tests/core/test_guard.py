@@ -92,12 +92,19 @@ def test_early_divergence_recovers_from_an_unconfirmed_snapshot_then_the_start_s
 def test_no_restore_point_left_gives_clear_error_listing_what_was_tried(tmp_path):
     io = FakeIO(str(tmp_path), mode="dynamic")
     guard = make_guard(io, confirm_steps=10, max_recoveries=10)
+    run(io, guard, 2)  # the first healthy step's snapshot (iter 1), unconfirmed
     with pytest.raises(NoHealthyStateError) as err:
-        for _ in range(6):
-            run(io, guard, io.iter + 1, faults={io.iter: "weights"})  # every iteration diverges
+        for _ in range(4):  # every state diverges on the very next iteration after it is restored
+            with torch.no_grad():
+                io.net.out.weight[0, 0] = math.nan
+            io.train_step()
+            guard.after_iter()
+            io.iter += 1
     msg = str(err.value)
     assert "no healthy state of this run is left to roll back to" in msg
+    # Both points diverged on the very next iteration: the start state is not tried a third time.
     assert "start state (iter 0)" in msg and "snapshot of iter 1" in msg
+    assert [r["restored_from"]["source"] for r in read_incidents(str(tmp_path))[:2]] == ["memory", "start"]
     assert "clip.max_norm 35.0 -> 1.0" in msg  # the remedies already applied are listed
     assert [r["event"] for r in read_incidents(str(tmp_path))][-1] == "gave_up"
 

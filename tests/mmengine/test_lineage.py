@@ -174,10 +174,6 @@ def test_fault_on_a_checkpoint_iteration_without_an_earlier_checkpoint_recovers(
         assert os.path.basename(f.read().strip()) == "iter_12.pth"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "petr_stability bug: a rollback to the start state inside after_train_iter leaves runner.iter at -1 for the hooks "
-    "after the guard; MMEngine's CheckpointHook.every_n_train_iters computes (-1 + 1) % interval == 0 and saves "
-    "iter_0.pth (and points last_checkpoint at it) whatever the interval, 10**6 here"))
 def test_a_rollback_to_the_start_state_writes_no_checkpoint_the_interval_did_not_ask_for(tmp_path):
     wd = str(tmp_path)
     runner = build_runner(wd, amp=CALIBRATING, max_iters=6, model_kwargs=SMALL, guard=NO_CONFIRM,

@@ -3,7 +3,7 @@ import os
 
 import torch
 from launch import run_agreeing
-from scenarios import RECURRENCE_BUG, AgreementScenarios
+from scenarios import AgreementScenarios
 
 from petr_stability.core.safe_load import safe_load
 
@@ -12,10 +12,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 class TestMMEngineDDP(AgreementScenarios):
     worker = WORKER
-    # corrupt_rank1_dynamic_no_replay passes here only because MMEngine's CheckpointHook writes iter_0.pth after the
-    # rollback to the start state (tests/mmengine/test_lineage.py, the strict xfail on iter_0.pth): the second
-    # divergence restores that file. MMCV 1.x, which writes none, stops (its known_bugs).
-    known_bugs = {"corrupt_rank1_static": RECURRENCE_BUG}
+    known_bugs: dict = {}
 
 
 def run(scenario, tmp_path):
