@@ -3,9 +3,10 @@
 =====================  ======================================================================================
 class                  action (each remedy opt-out by name in ``remedies=``; every change recorded old -> new)
 =====================  ======================================================================================
-data                   quarantine the batch's samples for the rest of the run (``'quarantine'``); roll back;
-                       no hyperparameter changes. Past the skip list's bound, or samples that cannot be named:
-                       the dynamics ladder.
+data                   quarantine the batch's samples for the rest of the run (``'quarantine'``); roll back
+                       (not when the state was checked finite on every rank: the bad batch is just skipped); no
+                       hyperparameter changes. Samples without ids: nothing quarantined. Past the skip list's
+                       bound: structural.
 forward overflow       the named module runs in fp32 from then on (``'fp32'``); roll back. Forced already:
                        structural.
 dynamics / unknown     a ladder, one rung per incident of a chain (a chain ends when a state taken after the
@@ -159,12 +160,8 @@ class CausePolicy:
         changes: List[Change] = []
         if c.cause == Cause.DATA:
             changes = self._quarantine(c, io, batch)
-            if changes is None and state_finite:  # nothing to name, nothing broken: the batch just goes by
+            if changes is None:  # nothing to name: the batch goes by; hyperparameters were never the problem
                 c.evidence += "; its samples cannot be named (no sample ids in the batch): nothing quarantined"
-                changes = []
-            elif changes is None:  # nothing to name and the state is broken: treat as dynamics
-                c.signals["evidence_cause"] = Cause.DATA.value
-                c.cause, c.evidence = Cause.DYNAMICS, c.evidence + "; its samples cannot be named: the ladder instead"
                 changes = []
         if c.cause == Cause.FORWARD_OVERFLOW and "fp32" not in self.remedies:
             c.signals["evidence_cause"] = Cause.FORWARD_OVERFLOW.value

@@ -61,10 +61,10 @@ def test_batch_pushing_the_backbone_past_fp16_range_is_named(tmp_path):
     assert diag["over_fp16"][0] == "data_preprocessor" and not diag["forward_finite"]
     assert diag["nonfinite_parameters"] == []
     # The same batch breaks the healthy weights too: bad data, not training dynamics. The test data carries no
-    # sample ids, so it cannot be quarantined and the ladder's first rung (the known manual fix) is applied.
+    # sample ids, so nothing is quarantined, and no hyperparameter is changed.
     assert diag["on_healthy_weights"]["reproduced"] is True
-    assert rec["cause"]["cause"] == "dynamics" and rec["cause"]["signals"]["evidence_cause"] == "data"
-    assert "cannot be named" in rec["cause"]["evidence"]
+    assert rec["cause"]["cause"] == "data" and "cannot be named" in rec["cause"]["evidence"]
+    assert rec["actions"] == [] and runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 35
     model = runner.model
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert all(not p._backward_hooks for p in model.parameters())
