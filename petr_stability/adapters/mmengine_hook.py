@@ -23,10 +23,11 @@ from ..core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
 from ..core.guard import GuardConfig
 from ..core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
 from ..core.remedies import Change, ClipProbe, observing_clip
-from ..core.safe_load import MMENGINE_CHECKPOINT_GLOBALS, resolve_globals, safe_load
+from ..core.safe_load import resolve_globals
 from ..core.snapshot import copy_to_host, load_optimizer_state
 from ..core.validate import check_bool
 from .driver import STATE_KEY, DrivenHook, GuardDriver
+from .mmengine_checkpoints import MMENGINE_CHECKPOINT_GLOBALS, load_mmengine_checkpoint
 
 __all__ = ["NanGuardHook", "MMEngineIO", "allow_mmengine_resume"]
 
@@ -206,7 +207,7 @@ class MMEngineIO(GuardIO):
         return sorted({p for d in dirs for p in glob.glob(os.path.join(d, "*.pth")) if not os.path.islink(p)})
 
     def read_checkpoint(self, path: str) -> Tuple[Payload, Optional[Dict[str, Any]]]:
-        ckpt = safe_load(path)
+        ckpt = load_mmengine_checkpoint(path)
         if "ema_state_dict" in ckpt and self._ema_hook() is not None:
             # EMAHook saves the averaged weights as 'state_dict' (for deployment): swap them back, as it does.
             self._ema_hook()._swap_ema_state_dict(ckpt)

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .tree import iter_tensors
+
 __all__ = ["FP16_MAX", "COMPARE", "capture_rng", "restore_rng", "total_loss", "diagnose", "diagnose_step",
            "summarize"]
 
@@ -75,15 +77,8 @@ def total_loss(outputs: Any) -> Optional[torch.Tensor]:
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.numel():
-            yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
+    # The core's one walker (core/tree.py); empty tensors have no max to read.
+    return (t for t in iter_tensors(obj) if t.numel())
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -9,29 +9,7 @@ import torch
 from .errors import UnsafeCheckpointError
 from .flags import HAS_SAFE_GLOBALS, HAS_WEIGHTS_ONLY
 
-__all__ = ["MMENGINE_CHECKPOINT_GLOBALS", "resolve_globals", "safe_load", "allow_globals"]
-
-#: Dotted names of the non-tensor globals an MMEngine checkpoint pickles: its message hub keeps
-#: ``HistoryBuffer`` objects holding numpy arrays and scalars, and each buffer pickles its bound statistic
-#: methods as ``getattr(buffer, 'mean')``. ``getattr`` is safe in this list because torch's weights-only
-#: unpickler calls only allowlisted callables: whatever ``getattr`` returns can never be called.
-MMENGINE_CHECKPOINT_GLOBALS: Sequence[str] = (
-    "mmengine.logging.history_buffer.HistoryBuffer",
-    "builtins.getattr",
-    "_codecs.encode",
-    "numpy.core.multiarray._reconstruct",
-    "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray.scalar",
-    "numpy._core.multiarray.scalar",
-    "numpy.ndarray",
-    "numpy.dtype",
-    "numpy.dtypes.Float64DType",
-    "numpy.dtypes.Float32DType",
-    "numpy.dtypes.Int64DType",
-    "numpy.dtypes.Int32DType",
-    "numpy.dtypes.BoolDType",
-)
-
+__all__ = ["resolve_globals", "safe_load", "allow_globals"]
 
 def resolve_globals(names: Sequence[str]) -> List[Any]:
     """Imports each dotted name that exists in this environment; absent ones are skipped."""
@@ -58,8 +36,15 @@ def allow_globals(names: Sequence[str]) -> Iterator[None]:
         yield
 
 
-def safe_load(path: str, map_location: Any = "cpu", extra_globals: Sequence[str] = MMENGINE_CHECKPOINT_GLOBALS) -> Dict:
+def safe_load(path: str, map_location: Any = "cpu", extra_globals: Sequence[str] = ()) -> Dict:
     """Loads a checkpoint with ``weights_only=True`` and a minimal allowlist scoped to this call.
+
+    Args:
+        path: the file.
+        map_location: as for ``torch.load``. Defaults to ``'cpu'``.
+        extra_globals: dotted names of the non-tensor types the file may hold, allowed for this call only (a runner
+            family's list: :data:`~petr_stability.adapters.mmengine_checkpoints.MMENGINE_CHECKPOINT_GLOBALS`).
+            Defaults to none.
 
     Raises:
         UnsafeCheckpointError: the file asks for a global outside the allowlist (a malicious or foreign

@@ -1,6 +1,6 @@
 """The one walker over nested training state (dicts, lists, tuples, named tuples) that every tensor pass uses."""
 import copy
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -54,7 +54,7 @@ def iter_tensors(obj: Any, floating: bool = True) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         if not floating or obj.is_floating_point() or obj.is_complex():
             yield obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):
         for value in obj.values():
             yield from iter_tensors(value, floating)
     elif isinstance(obj, (list, tuple)):

@@ -199,7 +199,8 @@ _register()
 
 
 def overflow_layer_cfg(logit_gain: float = 1e5, fused: bool = True) -> dict:
-    """The seed's decoder layer with its cross attention (``attentions.1``) an :class:`OverflowAttention`.
+    """The seed document's decoder layer (``SEED_LAYER_CFG``), its cross attention (``attentions.1``) an
+    :class:`OverflowAttention`.
 
     Args:
         logit_gain: :class:`OverflowAttention`'s ``logit_gain``. Defaults to 1e5 (every batch of
@@ -253,7 +254,7 @@ def build_memory_net(num_layers: int = 2, num_query: int = 32, layer_cfg: Option
     Args:
         num_layers: decoder layers. Defaults to 2.
         num_query: queries. Defaults to 32.
-        layer_cfg: the decoder layer config. Defaults to None (the seed's, :data:`~.petr_like.SEED_LAYER_CFG`).
+        layer_cfg: the decoder layer config. Defaults to None (the seed document's, :data:`~.petr_like.SEED_LAYER_CFG`).
         in_dim: the camera feature width. Defaults to 64.
     """
     net = PETRLike(in_dim=in_dim, num_layers=num_layers, num_query=num_query, layer_cfg=layer_cfg)

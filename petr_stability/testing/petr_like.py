@@ -1,4 +1,5 @@
-"""A PETR-shaped detector built from MMCV's transformer bricks with the seed's decoder layer config.
+"""A PETR-shaped detector built from MMCV's transformer bricks with the decoder layer config of the project's seed
+document (../shared/seed/TRANSLATION.md, before the known manual fix).
 
 Works with MMCV 1.x (``ATTENTION`` / ``TRANSFORMER_LAYER`` registries) and MMCV 2.x (MMEngine's ``MODELS``).
 The head wraps its decoder output and its losses in ``torch.nan_to_num`` as PETR's head does, so a poisoned
@@ -27,7 +28,7 @@ __all__ = ["SEED_LAYER_CFG", "PETRShapedHead", "build_petr_like", "PETRMultihead
 
 EMBED = 256
 
-# The seed's decoder layer (TRANSLATION.md), before its fix: dropout 0.1, ffn_dropout 0.1.
+# The decoder layer of the seed document (TRANSLATION.md), before the known manual fix: dropout 0.1, ffn_dropout 0.1.
 SEED_LAYER_CFG = dict(
     type="PETRLikeDecoderLayer",
     attn_cfgs=[

@@ -12,7 +12,7 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
 from petr_stability import read_incidents
-from petr_stability.core.safe_load import safe_load
+from petr_stability.adapters.mmengine_checkpoints import load_mmengine_checkpoint as safe_load
 
 SMALL = dict(num_layers=1, num_query=16)
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)

@@ -12,7 +12,7 @@ from mmengine.registry import HOOKS
 
 import petr_stability
 from petr_stability import NanGuardGaveUp, UnsafeCheckpointError, read_incidents
-from petr_stability.core.safe_load import safe_load
+from petr_stability.adapters.mmengine_checkpoints import load_mmengine_checkpoint as safe_load
 from petr_stability.testing.petr_like import SEED_LAYER_CFG
 
 SMALL = dict(num_layers=1, num_query=16)
