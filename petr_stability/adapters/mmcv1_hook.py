@@ -355,16 +355,6 @@ class MMCV1IO(GuardIO):
         loader = getattr(self.runner, "data_loader", None)
         return getattr(loader, "_dataloader", loader)
 
-    def dataset(self) -> Any:
-        return getattr(self.train_loader(), "dataset", None)
-
-    def dataset_size(self) -> int:
-        dataset = self.dataset()
-        try:
-            return len(dataset) if dataset is not None else 0
-        except TypeError:  # an iterable dataset has no length
-            return 0
-
     def lr_schedulers(self) -> List[Any]:
         return [h for h in self.runner.hooks if type(h).__name__.endswith("LrUpdaterHook")]
 

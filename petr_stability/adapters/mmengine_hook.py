@@ -254,16 +254,6 @@ class MMEngineIO(GuardIO):
         loader = getattr(loop, "dataloader", None) if loop is not None and not isinstance(loop, dict) else None
         return loader
 
-    def dataset(self) -> Any:
-        return getattr(self.train_loader(), "dataset", None)
-
-    def dataset_size(self) -> int:
-        dataset = self.dataset()
-        try:
-            return len(dataset) if dataset is not None else 0
-        except TypeError:  # an iterable dataset has no length
-            return 0
-
     def lr_schedulers(self) -> List[Any]:
         return [s for s in self._schedulers() if getattr(s, "param_name", "lr") == "lr"]
 

@@ -102,12 +102,6 @@ class TorchLoopIO(GuardIO):
     def train_loader(self) -> Any:
         return self.loader
 
-    def dataset(self) -> Any:
-        return getattr(self.loader, "dataset", None)
-
-    def dataset_size(self) -> int:
-        return len(self.dataset()) if self.dataset() is not None else 0
-
     def lr_schedulers(self) -> List[Any]:
         return self.schedulers
 

@@ -218,12 +218,16 @@ class GuardIO(abc.ABC):
         return None
 
     def dataset(self) -> Any:
-        """The training dataset (for naming quarantined samples), or None."""
-        return None
+        """The training dataset (for naming quarantined samples), or None. Defaults to the loader's."""
+        return getattr(self.train_loader(), "dataset", None)
 
     def dataset_size(self) -> int:
         """``len`` of the training dataset, or 0 where unknown (no quarantine then)."""
-        return 0
+        dataset = self.dataset()
+        try:
+            return len(dataset) if dataset is not None else 0
+        except TypeError:  # an iterable dataset has no length
+            return 0
 
     def train_loader(self) -> Any:
         """The training ``DataLoader``, for the quarantine sampler (before its first iterator), or None."""
