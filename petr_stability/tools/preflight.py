@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from .patch_config import _zero_dropout, load_config
+from .patch_config import _source_config, _zero_dropout, load_config
 
 __all__ = [
     "CHECKS",
@@ -453,6 +453,9 @@ def _plain(node: Any) -> Any:
 def _as_dict(cfg_like: Any) -> Dict[str, Any]:
     if isinstance(cfg_like, dict):
         return _plain(cfg_like)
+    if isinstance(cfg_like, str) and "\n" in cfg_like:
+        # Config text: what mmdet / mmdet3d 0.x keep in runner.meta['config'] (the effective config, dumped).
+        return _plain(_source_config(cfg_like, None)[0])
     to_dict = getattr(cfg_like, "to_dict", None)
     if callable(to_dict):
         return _plain(to_dict())
@@ -471,8 +474,8 @@ def check_runner_config(cfg_like: Any, world_size: Optional[int],
     what it catches.
 
     Args:
-        cfg_like: ``runner.cfg``: an mmengine ``Config`` (``to_dict()``), an mmcv 1.x ``Config`` (``_cfg_dict``)
-            or a dict.
+        cfg_like: ``runner.cfg``: an mmengine ``Config`` (``to_dict()``), an mmcv 1.x ``Config`` (``_cfg_dict``),
+            a dict, or config text (MMCV 1.x runners keep the effective config as ``runner.meta['config']``).
         world_size: the run's world size (``mmengine.dist.get_world_size()`` / ``mmcv.runner.get_dist_info()``).
         log: ``(message, level)`` callable; when given, a check that could not run is reported through it at
             level ``'info'``. Defaults to None (silent).

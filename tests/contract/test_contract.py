@@ -160,3 +160,37 @@ def test_hooks_are_registered_with_every_installed_family():
 
 def test_every_family_is_built_by_the_suite():
     assert {TorchLoopRun, MMEngineRun, MMCV1Run} >= set(BUILD.values()) and "torch_loop" in BUILD
+
+
+STATIC_FP16_CONFIG = (
+    "model = dict(type='PETRLike')\n"
+    "optimizer = dict(type='AdamW', lr=2e-4)\n"
+    "optimizer_config = dict(type='Fp16OptimizerHook', loss_scale=512., grad_clip=dict(max_norm=35, norm_type=2))\n"
+    "optim_wrapper = dict(type='AmpOptimWrapper', loss_scale=512., clip_grad=dict(max_norm=35, norm_type=2))\n"
+)
+
+
+@pytest.mark.parametrize("family", [n for n in NAMES if n != "torch_loop"])
+def test_the_hook_logs_the_preflight_findings_of_the_runs_config_once(family, tmp_path, caplog):
+    import logging
+
+    if family == "mmengine":
+        from mmengine.config import Config
+
+        run = build(family, tmp_path, iters=4, cfg=Config.fromstring(STATIC_FP16_CONFIG, ".py"))
+        handler = logging.Handler()
+        seen = []
+        handler.emit = lambda record: seen.append(record.getMessage())
+        from mmengine.logging import MMLogger
+
+        MMLogger.get_current_instance().addHandler(handler)
+        run.train()
+        lines = seen
+    else:
+        run = build(family, tmp_path, iters=4, meta={"config": STATIC_FP16_CONFIG})
+        with caplog.at_level(logging.INFO):
+            run.train()
+        lines = [r.getMessage() for r in caplog.records]
+    found = [line for line in lines if "pre-flight" in line and "static-loss-scale" in line]
+    assert len(found) == 1, lines  # once, in the runner's own log, and the run went on
+    assert run.completed() == 4
