@@ -83,6 +83,32 @@ def test_fp32_applied_nonfinite_gradient_diverges_at_once():
     assert step(det, 0, grad=NAN, mode="none") == Verdict.DIVERGED
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_fp32_nonfinite_loss_with_finite_gradients_takes_patience_steps_and_says_so(k):
+    # A logging-only loss term went NaN: the gradients (and so the weights) are fine. Not "applied a non-finite
+    # gradient", and not a divergence before k in a row.
+    det = DivergenceDetector(DetectorConfig(patience=k))
+    for i in range(k - 1):
+        d = det.observe(StepSignals(i, grad_norm=0.4769, loss=NAN, scale_mode="none"))
+        assert d.verdict == Verdict.OVERFLOW and "non-finite loss with finite gradients" in d.reason
+        assert "applied a non-finite gradient" not in d.reason
+    d = det.observe(StepSignals(k, grad_norm=0.4769, loss=NAN, scale_mode="none"))
+    assert d.verdict == Verdict.DIVERGED and d.reason.startswith(f"{k} consecutive non-finite losses")
+
+
+def test_fp32_nonfinite_loss_streak_resets_on_a_finite_loss():
+    det = DivergenceDetector()
+    for i in range(2):
+        assert step(det, i, grad=0.5, loss=NAN, mode="none") == Verdict.OVERFLOW
+    assert step(det, 2, grad=0.5, loss=1.0, mode="none") == Verdict.HEALTHY
+    assert step(det, 3, grad=0.5, loss=NAN, mode="none") == Verdict.OVERFLOW  # a new streak of 1
+
+
+def test_fp32_nonfinite_gradient_applied_names_the_gradient():
+    d = DivergenceDetector().observe(StepSignals(0, grad_norm=INF, loss=1.0, scale_mode="none"))
+    assert d.verdict == Verdict.DIVERGED and d.reason.startswith("fp32 step applied a non-finite gradient")
+
+
 def test_fp32_skipped_steps_count_like_overflows():
     det = DivergenceDetector(DetectorConfig(patience=3))
     out = [step(det, i, grad=NAN, mode="none", step_applied=False) for i in range(3)]

@@ -51,6 +51,19 @@ def test_fp32_transient_nan_step_is_skipped_not_applied(tmp_path):
     assert first(verdicts)[10] == "OVERFLOW" and finite(io) and io.restores == []
 
 
+def test_fp32_skip_is_an_event_in_the_incident_log_and_not_an_overflow(tmp_path):
+    io = FakeIO(str(tmp_path), mode="none", skip=True)
+    guard = make_guard(io)
+    run(io, guard, 20, faults={10: "grad"})
+    (rec,) = read_incidents(str(tmp_path))
+    assert rec["event"] == "skip" and rec["iteration"] == 11 and rec["verdict"] == "OVERFLOW"
+    assert rec["signals"]["step_applied"] is False and "fp32 step skipped: non-finite gradient" in rec["reason"]
+    assert guard.skipped_steps == guard.fp32_skips == 1 and io.scalars["nan_guard/skipped_steps"] == 1.0
+    logged = [m for _, m in io.logs if "iter 11" in m]
+    assert logged and "fp32 step skipped before the optimizer applied it" in logged[0]
+    assert not any("harmless overflow" in m for _, m in io.logs)
+
+
 def test_fp32_nan_step_applied_without_skip_rolls_back(tmp_path):
     io = FakeIO(str(tmp_path), mode="none", skip=False)
     guard = make_guard(io, skip_nonfinite_fp32=False)

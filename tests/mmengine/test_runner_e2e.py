@@ -262,3 +262,23 @@ def test_healthy_step_reads_no_tensor_value(tmp_path, amp):
     runner.train()
     assert runner.iter == 24 and len(calls) >= 2 * 10
     assert [read for call in calls for read in call] == []
+
+
+def test_guard_log_lines_name_the_guard_not_a_logging_helper(tmp_path):
+    # MMEngine's formatter prints "<file> - <function>" on warnings and errors: they must point at the guard.
+    import logging
+
+    from mmengine.logging import MMLogger
+
+    seen = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = lambda record: seen.append(record)
+    runner = build_runner(str(tmp_path), amp="dynamic", max_iters=16, guard=GUARD, model_kwargs=SMALL,
+                          faults=[dict(kind="weights", iters=[12], value="nan")])
+    MMLogger.get_current_instance().addHandler(handler)
+    try:
+        runner.train()
+    finally:
+        MMLogger.get_current_instance().removeHandler(handler)
+    mine = [r for r in seen if r.getMessage().startswith("NanGuard: divergence at iter 12")]
+    assert mine and os.path.basename(mine[0].pathname) == "guard.py" and mine[0].funcName == "_recover"
