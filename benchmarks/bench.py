@@ -30,6 +30,7 @@ from petr_stability.adapters.torch_loop import TorchLoopIO
 from petr_stability.core.flags import make_grad_scaler
 from petr_stability.core.guard import GuardConfig, NanGuard
 from petr_stability.core.health import all_finite, iter_tensors, model_tensors, optimizer_tensors
+from petr_stability.core.port import Payload
 from petr_stability.core.snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
 from petr_stability.core.tree import nbytes as payload_nbytes
 from petr_stability.testing.reads import cuda_syncs as record_syncs
@@ -190,7 +191,7 @@ def rollback_cost(b: Bench) -> Dict[str, float]:
     saved += list(iter_tensors(list(payload["optimizer"]["state"].values())))
 
     def restore() -> None:
-        b.io.restore(payload)
+        b.io.restore(Payload(payload, 0, 0))
 
     def raw() -> None:
         for dst, src in zip(live, saved):
