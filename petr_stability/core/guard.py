@@ -548,8 +548,11 @@ class NanGuard:
         record = self._record("divergence", signals, decision, changes)
         record.update(restored_from=restored or None, iterations_lost=lost, epoch=epoch, diagnosis=self.last_diagnosis,
                       cause=cls.as_dict())
-        where = (f"rolled back to iter {restored['iteration']} from {restored['source']}, "
-                 f"{lost} iteration(s) lost" if restored else "no rollback (disabled)")
+        if restored:
+            where = f"rolled back to iter {restored['iteration']} from {restored['source']}, {lost} iteration(s) lost"
+        else:
+            where = "no rollback (the state is finite: the bad batch is skipped)" if keep_state else \
+                "no rollback (disabled)"
         self.io.log(
             f"NanGuard: divergence at iter {iteration} ({decision.reason}); cause: {cls.cause.value} "
             f"({cls.evidence}); recovery {self.recoveries}/{self.config.max_recoveries}: {where}; "
