@@ -515,9 +515,6 @@ class NanGuard:
         # Bad data met a state checked finite on every rank (the scaler or the fp32 skip kept it out): the state is
         # not what broke, so the run goes on from it, nothing lost.
         keep_state = cls.cause == Cause.DATA and state_ok
-        if keep_state:
-            self.io.log(f"NanGuard: iter {iteration}: the state is finite on every rank; the bad batch is skipped, "
-                        "no rollback")
         if "rollback" in self.config.remedies and not keep_state:
             payload = self._next_restore_point(iteration)
             if payload is None:
@@ -551,7 +548,7 @@ class NanGuard:
         if restored:
             where = f"rolled back to iter {restored['iteration']} from {restored['source']}, {lost} iteration(s) lost"
         else:
-            where = "no rollback (the state is finite: the bad batch is skipped)" if keep_state else \
+            where = "no rollback (the state is finite on every rank: the bad batch is skipped)" if keep_state else \
                 "no rollback (disabled)"
         self.io.log(
             f"NanGuard: divergence at iter {iteration} ({decision.reason}); cause: {cls.cause.value} "
