@@ -6,7 +6,6 @@ largest attention logit, so a regime where the default run diverges can be found
 ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/demo_probe.py --lr 3e-3 --iters 120``
 """
 import argparse
-import copy
 import math
 import time
 
@@ -15,17 +14,10 @@ import torch.nn.functional as F
 
 from petr_stability.core.flags import make_grad_scaler
 from petr_stability.core.spikes import GradNormMonitor
-from petr_stability.testing.petr_like import SEED_LAYER_CFG, PETRLike, make_batch
+from petr_stability.testing.petr_like import PETRLike, make_batch
+from petr_stability.tools.demo import _layer_cfg
 
 __all__ = ["main"]
-
-
-def _layer_cfg(dropout: float) -> dict:
-    cfg = copy.deepcopy(SEED_LAYER_CFG)
-    for attn in cfg["attn_cfgs"]:
-        attn["dropout"] = dropout
-    cfg["ffn_dropout"] = dropout
-    return cfg
 
 
 def parser() -> argparse.ArgumentParser:

@@ -256,8 +256,7 @@ class NanGuard:
         """Keeps the state the run starts from (before its first step, or right after resume): a restore point
         that exists before any snapshot is confirmed. Costs one snapshot of host memory."""
         iteration, epoch = self.io.completed(inside=False)
-        self.start = Snapshot(iteration, epoch, self._copy_state(), nbytes=0, lr_factor=self.policy.lr_factor)
-        self.start.nbytes = nbytes(self.start.payload)
+        self.start = self._take_snapshot(iteration, epoch, recycle=False)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
@@ -384,24 +383,24 @@ class NanGuard:
                 return False
         return True
 
-    def _copy_state(self) -> Dict[str, Any]:
+    def _take_snapshot(self, iteration: int, epoch: int, recycle: bool) -> Snapshot:
+        """A host copy of the live state. Pinned host memory and asynchronous copies where the model lives on a
+        GPU, with an event marking their end: no host wait here (the copies are queued on the current stream ahead
+        of anything that writes the state again; docs/gpu.md says why not a side stream); the host waits only when
+        it reads the snapshot. ``recycle``: copy into the ring's oldest snapshot instead of allocating."""
         if self._holds_no_tensors():
             # The node's leader keeps the tensors; this rank keeps the structure and its own small state.
-            return distributed.strip_tensors(self.io.capture())[0]
-        device = next((p.device for p in self.io.model().parameters()), None)
-        pin = device is not None and device.type == "cuda"
-        return copy_to_host(self.io.capture(), reuse=self.ring.recyclable(), pin=pin)
+            payload, device, pin = distributed.strip_tensors(self.io.capture())[0], None, False
+        else:
+            device = next((p.device for p in self.io.model().parameters()), None)
+            pin = device is not None and device.type == "cuda"
+            payload = copy_to_host(self.io.capture(), reuse=self.ring.recyclable() if recycle else None, pin=pin)
+        return Snapshot(iteration, epoch, payload, nbytes=nbytes(payload), copied=copies_done(pin, device),
+                        generation=self.recoveries, lr_factor=self.policy.lr_factor)
 
     def _snapshot(self, iteration: int) -> None:
-        # Pinned host memory and asynchronous copies where the model lives on a GPU. No host wait: the copies
-        # are queued on the current stream ahead of anything that writes the state again (docs/gpu.md: why not
-        # a side stream); the host waits only when it reads the snapshot.
-        payload = self._copy_state()
-        device = next((p.device for p in self.io.model().parameters()), None)
-        pin = device is not None and device.type == "cuda" and not self._holds_no_tensors()
         _, epoch = self.io.completed(inside=True)
-        self.ring.add(Snapshot(iteration, epoch, payload, nbytes=nbytes(payload), copied=copies_done(pin, device),
-                               generation=self.recoveries, lr_factor=self.policy.lr_factor))
+        self.ring.add(self._take_snapshot(iteration, epoch, recycle=True))
 
     def _maybe_close_chain(self) -> None:
         # A state taken after the latest recovery proved healthy: the recovery held, the incident chain ends and

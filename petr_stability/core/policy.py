@@ -33,7 +33,6 @@ from .causes import (
     apply_fp32,
     classify,
     exploded_params,
-    fp32_modules,
     recurring,
     reset_moments,
     reset_temporal_state,
@@ -245,7 +244,3 @@ class CausePolicy:
             return []
         c.signals["quarantined"] = ids
         return [Change("quarantine.samples", before, len(self.skip))]
-
-    @staticmethod
-    def fp32_names(io: GuardIO) -> List[str]:
-        return fp32_modules(io.model())

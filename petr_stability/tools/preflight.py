@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from .patch_config import _source_config, _zero_dropout, load_config
+from .patch_config import _plain, _source_config, _zero_dropout, load_config
 
 __all__ = [
     "CHECKS",
@@ -437,17 +437,6 @@ def check_config(cfg: Dict[str, Any], world_size: Optional[int] = None,
     for check in _CHECK_ORDER:
         findings.extend(check(run))
     return findings
-
-
-def _plain(node: Any) -> Any:
-    """A config tree as builtin dicts and lists (ConfigDict, addict and mmengine's Config are dict subclasses)."""
-    if isinstance(node, dict):
-        return {k: _plain(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_plain(v) for v in node]
-    if isinstance(node, tuple):
-        return tuple(_plain(v) for v in node)
-    return node
 
 
 def _as_dict(cfg_like: Any) -> Dict[str, Any]:
