@@ -2,7 +2,8 @@
 #   make demo   the main job (builds .venv, then runs the embedded demo)
 #   make test   every test (builds .venv and .venv-mmcv1 from scratch if needed, runs ruff and both suites)
 SHELL := /bin/bash
-.PHONY: demo test envs env-mmengine env-mmcv1 lint test-core test-mmengine test-mmcv1 test-cuda test-mmdet3d-scope
+.PHONY: demo test envs env-mmengine env-mmcv1 env-seed lint test-core test-mmengine test-mmcv1 test-cuda \
+	test-mmdet3d-scope test-seed-stack
 
 demo: env-mmengine
 	.venv/bin/petr-stability demo
@@ -44,3 +45,12 @@ test: envs lint
 test-mmdet3d-scope:
 	bash scripts/setup_full_mmcv.sh
 	.venv-fullmmcv/bin/python -m pytest -q tests_optin
+
+# Opt-in, not part of `make test`: the seed document's own stack (mmcv-full 1.7.2 with CPU ops, mmdet 2.28.2,
+# mmdet3d 1.0.0rc6; ~20 min to build) and the real StreamPETR / PETRv2 detectors from the user's clones
+# (docs/seed-stack.md says how to get them):  make env-seed && STREAMPETR_ROOT=... PETR_ROOT=... make test-seed-stack
+env-seed:
+	bash scripts/setup_seed_stack.sh
+
+test-seed-stack: env-seed
+	.venv-seed/bin/python -m pytest -q -rs tests_seed
