@@ -27,12 +27,14 @@ import torch
 from torch import nn
 
 from petr_stability.adapters.torch_loop import TorchLoopIO
+from petr_stability.core.config import GuardConfig
 from petr_stability.core.flags import make_grad_scaler
-from petr_stability.core.guard import GuardConfig, NanGuard
-from petr_stability.core.health import all_finite, iter_tensors, model_tensors, optimizer_tensors
+from petr_stability.core.guard import NanGuard
 from petr_stability.core.port import Payload
-from petr_stability.core.snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
+from petr_stability.core.recovery.snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
+from petr_stability.core.tree import iter_tensors
 from petr_stability.core.tree import nbytes as payload_nbytes
+from petr_stability.core.watch.health import all_finite, model_tensors, optimizer_tensors
 from petr_stability.testing.reads import cuda_syncs as record_syncs
 
 SIZES = {
@@ -77,7 +79,7 @@ class Bench:
                               log_fn=lambda msg: None)
         # Periodic check at its default; snapshots measured on their own (item 2).
         self.guard = NanGuard(GuardConfig(snapshot_interval=10 ** 9, restore_from_checkpoints=False), self.io)
-        self.guard.ring.add(Snapshot(-1, 0, {}, clean_steps=10 ** 9))  # the ring is not empty: no first snapshot
+        self.guard.points.ring.add(Snapshot(-1, 0, {}, clean_steps=10 ** 9))  # the ring is not empty: no first snapshot
         self.guard_seconds = 0.0
         self.guard_calls = 0
 

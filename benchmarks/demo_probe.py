@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from petr_stability.core.flags import make_grad_scaler
-from petr_stability.core.spikes import GradNormMonitor
+from petr_stability.core.watch.spikes import GradNormMonitor
+from petr_stability.demo.run import _layer_cfg
 from petr_stability.testing.petr_like import PETRLike, make_batch
-from petr_stability.tools.demo import _layer_cfg
 
 __all__ = ["main"]
 

@@ -14,7 +14,7 @@ import tempfile
 import warnings
 from typing import List, Optional
 
-from petr_stability.tools import demo
+from petr_stability.demo import run as demo
 
 __all__ = ["main"]
 

@@ -4,12 +4,15 @@
 ``HOOKS`` registry, or MMCV 1.x's ``mmcv.runner.HOOKS``). The core (detection, remedies, snapshots, incident
 log) needs torch only.
 """
-from .core.detector import DetectorConfig, DivergenceDetector, StepSignals, Verdict
-from .core.errors import NanGuardError, NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError
-from .core.guard import GuardConfig, GuardIO, NanGuard
-from .core.incidents import INCIDENT_FILE, read_incidents
-from .core.remedies import ClipProbe, observing_clip, tighten_clip, zero_transformer_dropout
+from .core.config import GuardConfig
+from .core.errors import NanGuardError, NanGuardGaveUp, NoHealthyStateError, StructuralDivergence, UnsafeCheckpointError
+from .core.guard import NanGuard
+from .core.port import GuardIO
+from .core.records import INCIDENT_FILE, read_incidents
+from .core.remedies import tighten_clip, zero_transformer_dropout
 from .core.safe_load import safe_load
+from .core.watch.detector import DetectorConfig, DivergenceDetector, StepSignals, Verdict
+from .core.watch.probe import ClipProbe, observing_clip
 from .registry import RUNNER_FAMILY, FaultInjectionHook, NanGuardHook
 
 __version__ = "0.1.0"
@@ -28,6 +31,7 @@ __all__ = [
     "NanGuardError",
     "NanGuardGaveUp",
     "NoHealthyStateError",
+    "StructuralDivergence",
     "UnsafeCheckpointError",
     "read_incidents",
     "INCIDENT_FILE",

@@ -30,8 +30,8 @@ def _mmcv_major() -> Optional[int]:
 def _register_mmengine() -> Tuple[Any, Any]:
     from mmengine.registry import HOOKS
 
-    from .adapters.mmengine_faults import FaultInjectionHook as Faults
-    from .adapters.mmengine_hook import NanGuardHook as Guard
+    from .adapters.mmengine_runner.faults import FaultInjectionHook as Faults
+    from .adapters.mmengine_runner.hook import NanGuardHook as Guard
 
     HOOKS.register_module(module=Guard, force=True)
     HOOKS.register_module(module=Faults, force=True)
@@ -41,8 +41,8 @@ def _register_mmengine() -> Tuple[Any, Any]:
 def _register_mmcv1() -> Tuple[Any, Any]:
     from mmcv.runner import HOOKS
 
-    from .adapters.mmcv1_faults import FaultInjectionHook as Faults
-    from .adapters.mmcv1_hook import NanGuardHook as Guard
+    from .adapters.mmcv1_runner.faults import FaultInjectionHook as Faults
+    from .adapters.mmcv1_runner.hook import NanGuardHook as Guard
 
     HOOKS.register_module(module=Guard, force=True)
     HOOKS.register_module(module=Faults, force=True)

@@ -24,11 +24,13 @@ After every incident (and on giving up) rank 0 writes ``<work_dir>/nan_guard_pat
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from ..core.diagnose import capture_rng
+from ..core.config import GuardConfig
+from ..core.diagnosis.rng import capture_rng
 from ..core.distributed import get_rank, get_world_size, is_distributed
 from ..core.errors import NanGuardError, UnsafeCheckpointError
-from ..core.guard import GuardConfig, NanGuard, checkpoint_finite
+from ..core.guard import NanGuard
 from ..core.port import ClipSetting, GuardIO, RunConfig
+from ..core.recovery.restore import checkpoint_finite
 from ..tools.patch_config import write_patched_config
 from ..tools.preflight import check_runner_config, log_findings
 

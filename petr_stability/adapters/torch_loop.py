@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from ..core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
-from ..core.remedies import ClipProbe
-from ..core.snapshot import load_optimizer_state
+from ..core.recovery.snapshot import load_optimizer_state
+from ..core.watch.probe import ClipProbe
 
 __all__ = ["TorchLoopIO"]
 

@@ -14,6 +14,7 @@ __all__ = [
     "get_world_size",
     "reduce_max",
     "broadcast_object",
+    "gather",
     "strip_tensors",
     "fill_tensors",
     "broadcast_payload",
@@ -64,6 +65,19 @@ def reduce_max(values: List[int]) -> List[int]:
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group())
     return [int(v) for v in t.tolist()]
+
+
+def gather(obj: Any) -> List[Any]:
+    """Every rank's ``obj`` (small, picklable host values), in rank order, on every rank: ``[obj]`` without a group.
+
+    The one collective of an incident's agreement (:mod:`~.recovery.chain`): each rank decides locally, then all
+    decide the same from the same list. Every rank must call it at the same point.
+    """
+    if not is_distributed():
+        return [obj]
+    gathered: List[Any] = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj, group=_host_group())
+    return gathered
 
 
 def broadcast_object(obj: Optional[Any], src: int = 0) -> Any:

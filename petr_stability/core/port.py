@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from .remedies import Change, tighten_clip
+from .remedies.change import Change
+from .remedies.clip import tighten_clip
 
 __all__ = ["StepReading", "ClipSetting", "Payload", "RunConfig", "GuardIO"]
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.quarantine import ID_KEYS
+from ..core.samples import ID_KEYS
 from .data import ListDataset
 from .petr_like import ATTENTION, SEED_LAYER_CFG, PETRLike, PETRMultiheadAttention, PETRShapedHead, make_batch
 

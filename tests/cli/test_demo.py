@@ -5,7 +5,7 @@ import math
 import pytest
 
 from petr_stability.cli import main
-from petr_stability.tools.demo import MIN_ITERS, RUNS, SCENARIOS, settings_for
+from petr_stability.demo.run import MIN_ITERS, RUNS, SCENARIOS, settings_for
 
 #: The runs with a NanGuardHook: ``adaptive_clip`` is the guard with its own ``adaptive_clip=True``.
 GUARDED = ("guarded", "adaptive_clip")
@@ -29,7 +29,7 @@ def test_settings_validate():
 
 def test_adaptive_clip_run_is_the_guards_own_option(tmp_path):
     """The adaptive_clip run is NanGuardHook(adaptive_clip=True) with the guarded run's settings; no demo-side hook."""
-    from petr_stability.tools import demo
+    from petr_stability.demo import run as demo
 
     s = settings_for("dynamics", quick=True)
     train, _ = demo._make_data(s)

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from petr_stability.cli import main
-from petr_stability.tools.report import find_runs, read_json_records, read_scalars, summarize
+from petr_stability.core.records import read_records as read_json_records
+from petr_stability.reporting import find_runs, read_scalars, summarize
 
 DIAGNOSIS = {"first": {"module": "head.transformer.decoder.layers.0.attentions.0", "type": "MultiheadAttention",
                        "where": "output", "detail": "", "phase": "forward", "value": "nan",
@@ -207,6 +208,6 @@ def test_errors(tmp_path, capsys):
 @pytest.mark.parametrize("bad", ['{"event": "divergence", "iteration": "30"}'])
 def test_record_with_a_bad_field_is_a_problem(tmp_path, bad):
     (tmp_path / "nan_guard_incidents.jsonl").write_text(bad + "\n")
-    from petr_stability.tools.report import read_incident_records
+    from petr_stability.reporting import read_incident_records
     records, problems = read_incident_records(find_runs(str(tmp_path))[0])
     assert records == [] and "not an integer" in problems[0].what

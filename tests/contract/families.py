@@ -14,9 +14,9 @@ from torch import nn
 
 from petr_stability.adapters.driver import GuardDriver
 from petr_stability.adapters.torch_loop import TorchLoopIO
+from petr_stability.core.config import GuardConfig
 from petr_stability.core.faults import FaultPlan
 from petr_stability.core.flags import make_grad_scaler
-from petr_stability.core.guard import GuardConfig
 from petr_stability.testing.stacks import has_mmcv1, has_mmengine
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -13,7 +13,7 @@ from families import FAMILIES, GUARD, MMCV1Run, MMEngineRun, TorchLoopRun
 
 from petr_stability import read_incidents
 from petr_stability.adapters.driver import GuardDriver
-from petr_stability.core.guard import GuardConfig
+from petr_stability.core.config import GuardConfig
 from petr_stability.testing.stacks import has_mmcv1
 
 NAMES = [name for name, _ in FAMILIES]
@@ -150,13 +150,13 @@ def test_hooks_are_registered_with_every_installed_family():
 
     from petr_stability import registry
 
-    assert HOOKS.get("NanGuardHook").__module__ == "petr_stability.adapters.mmcv1_hook"
-    assert HOOKS.get("FaultInjectionHook").__module__ == "petr_stability.adapters.mmcv1_faults"
+    assert HOOKS.get("NanGuardHook").__module__ == "petr_stability.adapters.mmcv1_runner.hook"
+    assert HOOKS.get("FaultInjectionHook").__module__ == "petr_stability.adapters.mmcv1_runner.faults"
     if importlib.util.find_spec("mmengine") is not None:
         from mmengine.registry import HOOKS as MMENGINE_HOOKS
 
         assert registry.RUNNER_FAMILIES == ("mmengine", "mmcv1")
-        assert MMENGINE_HOOKS.get("NanGuardHook").__module__ == "petr_stability.adapters.mmengine_hook"
+        assert MMENGINE_HOOKS.get("NanGuardHook").__module__ == "petr_stability.adapters.mmengine_runner.hook"
 
 
 def test_every_family_is_built_by_the_suite():

@@ -6,9 +6,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from petr_stability.core.guard import GuardConfig, NanGuard
+from petr_stability.core.config import GuardConfig
+from petr_stability.core.guard import NanGuard
 from petr_stability.core.port import ClipSetting, GuardIO, Payload, StepReading
-from petr_stability.core.remedies import ClipProbe
+from petr_stability.core.watch.probe import ClipProbe
 
 
 class TinyTransformer(nn.Module):

@@ -9,24 +9,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from petr_stability.core.causes import (
-    Cause,
-    CauseHistory,
-    Classification,
-    agree,
+from petr_stability.core import distributed
+from petr_stability.core.causes import Cause, Classification
+from petr_stability.core.diagnosis import CauseHistory, classify, diagnose, diagnose_step, merge
+from petr_stability.core.remedies import (
     apply_fp32,
-    classify,
     exploded_params,
     force_fp32,
     fp32_modules,
-    merge,
-    nonfinite_attributes,
     release_fp32,
     reset_moments,
     reset_temporal_state,
     scale_lr,
 )
-from petr_stability.core.diagnose import diagnose, diagnose_step
+from petr_stability.core.watch.health import nonfinite_attributes
 
 
 # ---------------------------------------------------------------------- scale_lr
@@ -461,14 +457,20 @@ def test_merge_prefers_the_specific_evidence_and_unites_modules():
     assert Classification.from_dict(m.as_dict()) == m
 
 
+def _agree(c):
+    # What the incident chain's agreement does with the classes: one gather, one merge, on every rank.
+    return merge([None if d is None else Classification.from_dict(d)
+                  for d in distributed.gather(None if c is None else c.as_dict())])
+
+
 def test_agree_over_a_process_group(tmp_path):
     c = Classification(Cause.DATA, "breaks healthy")
-    assert agree(c) == merge([c])
+    assert _agree(c) == merge([c])
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(str(tmp_path), 'store')}", rank=0,
                             world_size=1)
     try:
-        agreed = agree(c)
+        agreed = _agree(c)
         assert agreed.cause == Cause.DATA and agreed.ranks == {"0": "data"}
-        assert agree(None).cause == Cause.UNKNOWN
+        assert _agree(None).cause == Cause.UNKNOWN
     finally:
         dist.destroy_process_group()

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from petr_stability.core.detector import DetectorConfig, DivergenceDetector, StepSignals, Verdict
+from petr_stability.core.watch.detector import DetectorConfig, DivergenceDetector, StepSignals, Verdict
 
 NAN, INF = math.nan, math.inf
 

@@ -9,10 +9,11 @@ import torch.utils.checkpoint as cp
 from fake_io import FakeIO, make_guard, run
 from torch import nn
 
-from petr_stability.core import guard as guard_module
-from petr_stability.core.diagnose import FP16_MAX, capture_rng, diagnose, diagnose_step, restore_rng, summarize
-from petr_stability.core.guard import GuardConfig
-from petr_stability.core.incidents import read_incidents
+from petr_stability.core.config import GuardConfig
+from petr_stability.core.diagnosis import FP16_MAX, diagnose, diagnose_step, summarize
+from petr_stability.core.diagnosis.rng import capture_rng, restore_rng
+from petr_stability.core.records import read_incidents
+from petr_stability.core.recovery import chain as guard_module
 
 
 def no_hooks(model):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from fake_io import FakeIO, make_guard, run
 
+from petr_stability.core.config import GuardConfig
 from petr_stability.core.errors import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError
-from petr_stability.core.guard import GuardConfig
-from petr_stability.core.incidents import read_incidents
+from petr_stability.core.records import read_incidents
 
 
 def first(verdicts):
@@ -132,7 +132,7 @@ def test_falls_back_to_this_runs_newest_finite_checkpoint_skipping_bad_and_forei
     io.ckpts = ["truncated.pth", "poisoned.pth", "good.pth", "other_run.pth", "later.pth"]
     io.loaded = {"poisoned.pth": (poisoned, 3, mine), "good.pth": (good, 2, mine),
                  "other_run.pth": (good, 4, {"run_id": "another"}), "later.pth": (good, 40, mine)}
-    guard.start = None  # only checkpoints are left once the in-memory points are spent
+    guard.points.start = None  # only checkpoints are left once the in-memory points are spent
     run(io, guard, 12, faults={6: "weights"})  # back to the first healthy step's (unconfirmed) snapshot
     run(io, guard, 14, faults={12: "weights"})  # diverges again: only checkpoints are left
     assert io.restores == [1, 2] and finite(io)
@@ -256,7 +256,7 @@ def test_loss_scale_is_published_on_check_iterations_only(tmp_path):
 def test_snapshot_copies_are_waited_for_only_when_a_rollback_reads_them(tmp_path, monkeypatch):
     # On CUDA a snapshot's device-to-host copies are asynchronous: the host must not wait for them on healthy
     # steps, and must wait before it reads one back. A stand-in event records when it is waited for.
-    import petr_stability.core.guard as guard_module
+    import petr_stability.core.recovery.restore as guard_module
 
     io = FakeIO(str(tmp_path), mode="dynamic")
     events = []

@@ -13,9 +13,9 @@ from torch import nn
 from petr_stability import read_incidents
 from petr_stability.adapters.driver import GuardDriver
 from petr_stability.adapters.torch_loop import TorchLoopIO
+from petr_stability.core.config import GuardConfig
 from petr_stability.core.errors import NanGuardGaveUp
 from petr_stability.core.faults import arm_grad_fault, poison_weights
-from petr_stability.core.guard import GuardConfig
 from petr_stability.core.remedies import Change
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "incidents.md")

@@ -6,13 +6,8 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from petr_stability.core.quarantine import (
-    QuarantineSampler,
-    SkipList,
-    install_quarantine,
-    resolve_indices,
-    sample_ids,
-)
+from petr_stability.core.remedies.quarantine import QuarantineSampler, SkipList, install_quarantine
+from petr_stability.core.samples import resolve_indices, sample_ids
 from petr_stability.testing.data import ListDataset
 
 

@@ -5,8 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from petr_stability.core.health import all_finite, first_nonfinite, iter_tensors, model_tensors, optimizer_tensors
-from petr_stability.core.remedies import ClipProbe, observing_clip, tighten_clip, zero_transformer_dropout
+from petr_stability.core.remedies import tighten_clip, zero_transformer_dropout
+from petr_stability.core.tree import iter_tensors
+from petr_stability.core.watch.health import all_finite, first_nonfinite, model_tensors, optimizer_tensors
+from petr_stability.core.watch.probe import ClipProbe, observing_clip
 
 
 class FFN(nn.Module):  # named like MMCV's FFN: in scope by class name alone

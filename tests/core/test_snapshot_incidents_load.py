@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from petr_stability.adapters.mmengine_checkpoints import load_mmengine_checkpoint
+from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint
 from petr_stability.core.errors import UnsafeCheckpointError
 from petr_stability.core.faults import Fault, arm_grad_fault, parse_faults, poison_batch, poison_loss, poison_weights
 from petr_stability.core.flags import HAS_SAFE_GLOBALS
-from petr_stability.core.health import iter_tensors
-from petr_stability.core.incidents import IncidentLog, read_incidents
+from petr_stability.core.records import IncidentLog, read_incidents
+from petr_stability.core.recovery.snapshot import Snapshot, SnapshotRing, copy_to_host
 from petr_stability.core.safe_load import safe_load
-from petr_stability.core.snapshot import Snapshot, SnapshotRing, copy_to_host
+from petr_stability.core.tree import iter_tensors
 from petr_stability.core.tree import nbytes as payload_nbytes
 
 
@@ -77,9 +77,13 @@ def test_incident_log_rank0_only_and_tolerates_torn_line(tmp_path):
     log.write({"event": "divergence", "value": math.nan})
     with open(log.path, "a") as f:
         f.write('{"event": "torn')
-    recs = read_incidents(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"skipped 1 unusable line.*:2: a torn line"):
+        recs = read_incidents(str(tmp_path))
     assert [r["event"] for r in recs] == ["divergence"] and "time" in recs[0]
-    assert read_incidents(str(tmp_path / "absent")) == []
+    os.makedirs(tmp_path / "healthy")
+    assert read_incidents(str(tmp_path / "healthy")) == []  # a run without incidents has no log
+    with pytest.raises(FileNotFoundError, match="absent"):
+        read_incidents(str(tmp_path / "absent"))  # a wrong path is an error, not an empty run
 
 
 class Boom:
@@ -172,7 +176,7 @@ def _trained_adam():
 
 
 def test_load_optimizer_state_copies_in_place_and_never_aliases_the_snapshot():
-    from petr_stability.core.snapshot import load_optimizer_state
+    from petr_stability.core.recovery.snapshot import load_optimizer_state
 
     m, opt = _trained_adam()
     saved = copy_to_host(opt.state_dict())
@@ -192,7 +196,7 @@ def test_load_optimizer_state_copies_in_place_and_never_aliases_the_snapshot():
 
 
 def test_load_optimizer_state_falls_back_when_layout_differs():
-    from petr_stability.core.snapshot import load_optimizer_state
+    from petr_stability.core.recovery.snapshot import load_optimizer_state
 
     m, opt = _trained_adam()
     saved = copy_to_host(opt.state_dict())
@@ -206,7 +210,7 @@ def test_load_optimizer_state_falls_back_when_layout_differs():
 def test_snapshot_buffers_fall_back_to_pageable_memory_when_pinning_fails(monkeypatch):
     # Page-locked memory can run out (a large model's ring on every rank of a node): the snapshot must still
     # be taken, in ordinary memory with a synchronous copy, with one clear warning, not fail the training run.
-    from petr_stability.core import snapshot
+    from petr_stability.core.recovery import snapshot
 
     real_empty = torch.empty
 

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from petr_stability.core.spikes import GradNormMonitor
+from petr_stability.core.watch.spikes import GradNormMonitor
 
 
 def _feed(monitor, values):

@@ -78,7 +78,7 @@ def test_harmless_overflow_changes_nothing_on_cuda(tmp_path):
 def test_healthy_step_and_snapshot_copies_add_no_host_device_sync(tmp_path, monkeypatch):
     from harness import guard_hook, run
 
-    import petr_stability.core.guard as guard_module
+    import petr_stability.core.recovery.restore as guard_module
     from petr_stability.testing.reads import watch_healthy_steps, watch_methods
 
     r = _runner(tmp_path, "dynamic", [], max_iters=24, guard=dict(snapshot_interval=4, confirm_steps=3,

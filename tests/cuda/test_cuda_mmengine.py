@@ -46,7 +46,7 @@ def test_poisoned_weights_recover_on_cuda(tmp_path, loss_scale):
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
     assert guard_hook(runner).guard.recoveries == 1
     # On a GPU the restored snapshot was copied into pinned host memory (asynchronous copies).
-    snap = guard_hook(runner).guard.ring.newest_confirmed()
+    snap = guard_hook(runner).guard.points.ring.newest_confirmed()
     assert snap is not None and snap.payload["state_dict"]
     pinned = [t.is_pinned() for t in snap.payload["state_dict"].values()]
     assert all(pinned) if PROFILE.on_gpu else not any(pinned)
@@ -68,7 +68,7 @@ def test_harmless_overflow_changes_nothing_on_cuda(tmp_path):
 def test_healthy_step_and_snapshot_copies_add_no_host_device_sync(tmp_path, monkeypatch):
     from harness import guard_hook
 
-    import petr_stability.core.guard as guard_module
+    import petr_stability.core.recovery.restore as guard_module
     from petr_stability.testing.reads import watch_healthy_steps, watch_methods
 
     runner = _runner(tmp_path, "dynamic", [], max_iters=24,

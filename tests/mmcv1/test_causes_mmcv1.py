@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, default_collate
 
 import petr_stability  # noqa: F401  (registers the hooks)
 from petr_stability import read_incidents
-from petr_stability.core.causes import fp32_modules, release_fp32
+from petr_stability.core.config import REMEDIES
 from petr_stability.core.errors import NanGuardGaveUp, StructuralDivergence
-from petr_stability.core.guard import REMEDIES
+from petr_stability.core.remedies import fp32_modules, release_fp32
 from petr_stability.testing.causes_models import (
     DropsSampleIds,
     IdentifiedDataset,

@@ -25,7 +25,8 @@ from mmcv.runner import (
 
 from petr_stability import read_incidents, safe_load
 from petr_stability.core.flags import make_grad_scaler
-from petr_stability.core.health import all_finite, iter_tensors
+from petr_stability.core.tree import iter_tensors
+from petr_stability.core.watch.health import all_finite
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DYN = dict(init_scale=512.0)  # a dynamic scale with no calibration overflows on this model
@@ -130,9 +131,9 @@ def test_sigkill_after_a_recovery_then_resume_keeps_remedies_and_counters(tmp_pa
     # MMCV 1.x resumes at meta["iter"], the saved iteration's own 0-based counter: iteration 8 runs again.
     assert first.seen == (KILL_ITER - 1, 1.0, [0.0] * len(first.seen[2]))  # remedies live before the first step
     g = guard_hook(r).guard
-    assert g.recoveries == 1 and g.dropout_zeroed
-    assert g.iterations_lost == saved["iterations_lost"] == rec["iterations_lost"]
-    assert g.skipped_steps >= saved["skipped_steps"] and g.actions_tried[:len(saved["actions_tried"])] == saved[
+    assert g.recoveries == 1 and g.policy.dropout_zeroed
+    assert g.chain.iterations_lost == saved["iterations_lost"] == rec["iterations_lost"]
+    assert g.skipped_steps >= saved["skipped_steps"] and g.chain.actions_tried[:len(saved["actions_tried"])] == saved[
         "actions_tried"]
     assert opt_hook(r).grad_clip["max_norm"] == 1.0 and set(transformer_dropouts(r)) == {0.0}
     assert r.iter == 12 and params_finite(r) and len(read_incidents(wd)) == 1

@@ -9,7 +9,8 @@ from mmcv.runner import HOOKS, Hook, Priority
 from mmcv.utils import build_from_cfg
 
 from petr_stability import NanGuardGaveUp, read_incidents, safe_load
-from petr_stability.core.health import all_finite, iter_tensors
+from petr_stability.core.tree import iter_tensors
+from petr_stability.core.watch.health import all_finite
 
 #: A dynamic scale that starts where PETR's static one sits (65536 overflows ~8 times on this model first).
 DYN = dict(init_scale=512.0)
@@ -32,7 +33,7 @@ def divergences(work_dir):
 # ------------------------------------------------------------------ registry and arguments
 def test_found_in_mmcv_hooks_and_built_from_cfg():
     hook = build_from_cfg(dict(type="NanGuardHook", max_norm=2.0), HOOKS)
-    assert type(hook).__module__ == "petr_stability.adapters.mmcv1_hook"
+    assert type(hook).__module__ == "petr_stability.adapters.mmcv1_runner.hook"
     assert hook.config.max_norm == 2.0
     assert not hasattr(type(hook), "priority")  # MMCV 1.x register_hook refuses it
     assert HOOKS.get("FaultInjectionHook") is not None
@@ -90,8 +91,8 @@ def test_dynamic_iter_runner_recovers_and_counts_max_iters(tmp_path):
     run(r)
     g = guard_hook(r).guard
     assert g.recoveries == 1 and r.iter == 20
-    assert len(executed.steps) == 20 + g.iterations_lost  # counted steps stay max_iters; data moved on
-    assert g.iterations_lost == 2  # iteration 10 diverged; the unconfirmed snapshot of 8 is the newest state
+    assert len(executed.steps) == 20 + g.chain.iterations_lost  # counted steps stay max_iters; data moved on
+    assert g.chain.iterations_lost == 2  # iteration 10 diverged; the unconfirmed snapshot of 8 is the newest state
     assert params_finite(r) and mean_loss(r) < start
     for name in ("iter_5.pth", "iter_10.pth", "iter_15.pth", "iter_20.pth", "latest.pth"):
         assert ckpt_finite(os.path.join(wd, name)), name
@@ -182,7 +183,7 @@ def test_resume_keeps_remedies(tmp_path, runner):
     r2.resume(os.path.join(wd, "latest.pth"), map_location="cpu")
     run(r2)
     g = guard_hook(r2).guard
-    assert g.recoveries == 1 and g.dropout_zeroed
+    assert g.recoveries == 1 and g.policy.dropout_zeroed
     assert opt_hook(r2).grad_clip["max_norm"] == 1.0 and set(transformer_dropouts(r2)) == {0.0}
 
 

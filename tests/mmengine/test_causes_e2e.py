@@ -18,8 +18,8 @@ from torch.utils.data import default_collate
 
 import petr_stability  # noqa: F401  (registers the hooks)
 from petr_stability import read_incidents
-from petr_stability.core.causes import fp32_modules, release_fp32
 from petr_stability.core.errors import NanGuardGaveUp, StructuralDivergence
+from petr_stability.core.remedies import fp32_modules, release_fp32
 from petr_stability.testing.causes_models import (
     DropsSampleIds,
     IdentifiedDataset,
@@ -186,7 +186,7 @@ def test_without_the_temporal_reset_the_poisoned_memory_stays_nan(tmp_path):
     # The counterfactual of the test above: the same run with every remedy but 'temporal'.
     wd = str(tmp_path)
     probe = MemoryProbe()
-    remedies = [r for r in petr_stability.core.guard.REMEDIES if r != "temporal"]
+    remedies = [r for r in petr_stability.core.config.REMEDIES if r != "temporal"]
     runner = build(wd, IdentifiedDataset(N, num_query=16, bad={BAD: "nan"}), max_epochs=2,
                    net=build_memory_net(**SMALL), extra_hooks=[probe], guard=dict(remedies=remedies))
     try:
@@ -199,7 +199,7 @@ def test_without_the_temporal_reset_the_poisoned_memory_stays_nan(tmp_path):
 
 def test_a_memory_left_nan_is_reported_by_the_health_checks(tmp_path):
     wd = str(tmp_path)
-    remedies = [r for r in petr_stability.core.guard.REMEDIES if r != "temporal"]
+    remedies = [r for r in petr_stability.core.config.REMEDIES if r != "temporal"]
     runner = build(wd, IdentifiedDataset(N, num_query=16, bad={BAD: "nan"}), max_epochs=2,
                    net=build_memory_net(**SMALL), guard=dict(remedies=remedies))
     with pytest.raises(NanGuardGaveUp):  # the state a rollback cannot reach stays poisoned: the run stops

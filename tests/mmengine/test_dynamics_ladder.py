@@ -14,8 +14,8 @@ import pytest
 import torch
 from harness import build_runner, guard_hook, params_finite
 
-from petr_stability.core.incidents import read_incidents
-from petr_stability.core.policy import LADDER
+from petr_stability.core.records import read_incidents
+from petr_stability.core.recovery.policy import LADDER
 
 __all__ = []
 
@@ -66,4 +66,4 @@ def test_guarded_run_climbs_to_the_lr_rung_and_finishes(tmp_path):
     # The schedule continued scaled: past the warm-up the lr is the backed-off peak.
     assert runner.optim_wrapper.optimizer.param_groups[0]["lr"] == pytest.approx(LR * GUARD["lr_backoff"])
     held = [i["held"]["rung"] for i in guard.policy.history.incidents if i.get("held")]
-    assert held == [LADDER[1]], guard.policy.history.incidents
+    assert held == [LADDER[1].name], guard.policy.history.incidents

@@ -12,7 +12,7 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
 from petr_stability import read_incidents
-from petr_stability.adapters.mmengine_checkpoints import load_mmengine_checkpoint as safe_load
+from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 
 SMALL = dict(num_layers=1, num_query=16)
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
@@ -98,7 +98,8 @@ def test_sigkill_after_a_recovery_then_resume_keeps_remedies_and_counters(tmp_pa
     runner = build_runner(wd, amp="dynamic", max_iters=20, guard=GUARD, model_kwargs=SMALL, resume=True)
     runner.train()
     g = guard_hook(runner).guard
-    assert g.recoveries == 1 and g.dropout_zeroed and g.iterations_lost == read_incidents(wd)[0]["iterations_lost"]
+    assert g.recoveries == 1 and g.policy.dropout_zeroed
+    assert g.chain.iterations_lost == read_incidents(wd)[0]["iterations_lost"]
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
     head = runner.model.net.pts_bbox_head
     assert all(m.p == 0.0 for m in head.modules() if isinstance(m, torch.nn.Dropout))

@@ -23,7 +23,7 @@ from mmengine.logging import MMLogger
 from mmengine.registry import HOOKS
 
 from petr_stability import read_incidents
-from petr_stability.adapters.mmengine_checkpoints import load_mmengine_checkpoint as safe_load
+from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 from petr_stability.core.faults import poison_weights
 
 __all__ = []

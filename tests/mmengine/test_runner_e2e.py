@@ -12,7 +12,7 @@ from mmengine.registry import HOOKS
 
 import petr_stability
 from petr_stability import NanGuardGaveUp, UnsafeCheckpointError, read_incidents
-from petr_stability.adapters.mmengine_checkpoints import load_mmengine_checkpoint as safe_load
+from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 from petr_stability.testing.petr_like import SEED_LAYER_CFG
 
 SMALL = dict(num_layers=1, num_query=16)
@@ -163,7 +163,7 @@ def test_resume_keeps_remedies_and_counters(tmp_path):
     r2 = build_runner(wd, amp="dynamic", max_iters=30, guard=GUARD, model_kwargs=SMALL, resume=True)
     r2.train()
     g = guard_hook(r2).guard
-    assert g.recoveries == 1 and g.dropout_zeroed
+    assert g.recoveries == 1 and g.policy.dropout_zeroed
     assert r2.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
     assert set(dropouts(r2)) == {0.0}
     assert r2.iter == 30
@@ -281,4 +281,4 @@ def test_guard_log_lines_name_the_guard_not_a_logging_helper(tmp_path):
     finally:
         MMLogger.get_current_instance().removeHandler(handler)
     mine = [r for r in seen if r.getMessage().startswith("NanGuard: divergence at iter 12")]
-    assert mine and os.path.basename(mine[0].pathname) == "guard.py" and mine[0].funcName == "_recover"
+    assert mine and os.path.basename(mine[0].pathname) == "chain.py" and mine[0].funcName == "_log_recovery"

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from petr_stability.core import distributed
-from petr_stability.core.snapshot import copy_to_host
+from petr_stability.core.recovery.snapshot import copy_to_host
 from petr_stability.core.tree import nbytes as payload_nbytes
 from petr_stability.testing.petr_like import build_petr_like, make_batch
 

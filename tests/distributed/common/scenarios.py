@@ -6,7 +6,7 @@ import pytest
 import torch
 from launch import check_agreement, run_agreeing, run_workers
 
-from petr_stability.adapters.mmengine_checkpoints import load_mmengine_checkpoint as safe_load
+from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 
 __all__ = ["AgreementScenarios", "OLDER_CHECKPOINT", "incidents", "weights_digest"]
 

@@ -5,7 +5,7 @@ import torch
 from launch import run_agreeing
 from scenarios import AgreementScenarios
 
-from petr_stability.adapters.mmengine_checkpoints import load_mmengine_checkpoint as safe_load
+from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 

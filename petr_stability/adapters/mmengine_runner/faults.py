@@ -6,8 +6,8 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 
-from ..core.distributed import get_rank
-from ..core.faults import Fault, FaultPlan
+from ...core.distributed import get_rank
+from ...core.faults import Fault, FaultPlan
 
 __all__ = ["FaultInjectionHook"]
 

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .tree import map_tensors
+from ..tree import map_tensors
 
 __all__ = ["Snapshot", "SnapshotRing", "copy_to_host", "copies_done", "load_optimizer_state"]
 
@@ -126,7 +126,6 @@ class Snapshot:
         payload: the adapter's state dicts with every tensor on the host.
         clean_steps: healthy optimizer steps seen since; it is *confirmed* once this reaches the ring's
             ``confirm_steps`` (a state on a path that is already diverging is not a state to return to).
-        failed: a divergence recurred after restoring it and before any newer snapshot was confirmed.
         copied: the event that marks the end of its device-to-host copies (None when they were synchronous).
         generation: the guard's recovery count when it was taken (a confirmed snapshot of the current generation
             means the latest recovery held).
@@ -137,7 +136,6 @@ class Snapshot:
     epoch: int
     payload: Dict[str, Any]
     clean_steps: int = 0
-    failed: bool = False
     nbytes: int = field(default=0)
     copied: Any = field(default=None, repr=False)
     generation: int = 0
@@ -176,7 +174,7 @@ class SnapshotRing:
         return len(self.snapshots)
 
     def is_confirmed(self, snap: Snapshot) -> bool:
-        return snap.clean_steps >= self.confirm_steps and not snap.failed
+        return snap.clean_steps >= self.confirm_steps
 
     def recyclable(self) -> Optional[Dict[str, Any]]:
         """The payload that the next :meth:`add` will evict, to copy into instead of allocating."""

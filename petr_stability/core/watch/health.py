@@ -5,8 +5,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .flags import HAS_FOREACH_NORM
-from .tree import iter_tensors
+from ..flags import HAS_FOREACH_NORM
+from ..tree import iter_tensors
 
 __all__ = [
     "iter_tensors",
@@ -15,6 +15,7 @@ __all__ = [
     "model_tensors",
     "optimizer_tensors",
     "state_finite",
+    "nonfinite_attributes",
 ]
 
 
@@ -77,3 +78,29 @@ def first_nonfinite(named: Iterable[Tuple[str, torch.Tensor]]) -> Optional[str]:
         if t.numel() and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
             return name
     return None
+
+
+def _attr_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    registered = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    found = []
+    for mname, module in model.named_modules():
+        for attr, value in vars(module).items():
+            items = [(attr, value)] if isinstance(value, torch.Tensor) else (
+                [(f"{attr}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, (list, tuple)) else [])
+            for key, t in items:
+                if (isinstance(t, torch.Tensor) and id(t) not in registered and t.numel()
+                        and (t.is_floating_point() or t.is_complex())):
+                    found.append((f"{mname}.{key}" if mname else key, t))
+    return found
+
+
+def nonfinite_attributes(model: nn.Module) -> List[str]:
+    """Names of floating tensors held as plain module attributes (not parameters or buffers, lists/tuples of
+    tensors included) that hold NaN/Inf: StreamPETR's memory queue, Sparse4D's instance bank.
+
+    Cheap: one fused reduction and one host read when all is finite; each tensor is checked only when not.
+    """
+    named = _attr_tensors(model)
+    if all_finite(t for _, t in named):
+        return []
+    return [n for n, t in named if not bool(torch.isfinite(t).all())]

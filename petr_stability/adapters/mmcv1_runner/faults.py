@@ -5,8 +5,8 @@ from typing import Any, List, Optional, Sequence
 from mmcv.parallel import is_module_wrapper
 from mmcv.runner import Hook
 
-from ..core.distributed import get_rank
-from ..core.faults import Fault, FaultPlan
+from ...core.distributed import get_rank
+from ...core.faults import Fault, FaultPlan
 
 __all__ = ["FaultInjectionHook"]
 

@@ -1,9 +1,4 @@
-"""NanGuardHook for MMCV 1.x runners (mmdet / mmdet3d 0.x: the original PETR and StreamPETR stack).
-
-The hook forwards its lifecycle points to :class:`~petr_stability.adapters.driver.GuardDriver`: ``before_run``
-(bind, the guard's state from ``runner.meta``, start), ``before_train_iter`` (also marks the iteration in
-``runner.meta`` so that a saved checkpoint says where it was written), ``after_train_iter``, ``after_train_epoch``
-(one cross-rank health check per epoch, after the epoch's checkpoint).
+"""Where an MMCV 1.x runner (mmdet / mmdet3d 0.x: the original PETR and StreamPETR stack) keeps what the guard reads.
 
 MMCV 1.x facts this adapter handles (``docs``: RUNNER-INTERNALS, "MMCV 1.x"):
 
@@ -27,19 +22,21 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from mmcv.parallel import is_module_wrapper
-from mmcv.runner import CheckpointHook, Hook, IterBasedRunner, OptimizerHook
+from mmcv.runner import CheckpointHook, IterBasedRunner, OptimizerHook
 from mmcv.runner import save_checkpoint as mmcv_save_checkpoint
 
-from ..core.distributed import get_rank
-from ..core.guard import GuardConfig, checkpoint_finite
-from ..core.health import state_finite
-from ..core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
-from ..core.remedies import Change, ClipProbe, observing_clip
-from ..core.safe_load import safe_load
-from ..core.snapshot import copy_to_host
-from .driver import STATE_KEY, DrivenHook, GuardDriver
+from ...core.distributed import get_rank
+from ...core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
+from ...core.recovery.restore import checkpoint_finite
+from ...core.recovery.snapshot import copy_to_host
+from ...core.remedies import Change
+from ...core.safe_load import safe_load
+from ...core.watch.health import state_finite
+from ...core.watch.probe import ClipProbe, observing_clip
+from ..driver import STATE_KEY
 
-__all__ = ["NanGuardHook", "MMCV1IO", "completed_iters"]
+__all__ = ["MMCV1IO", "completed_iters"]
+
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 #: Iteration counter at ``before_train_iter``, kept in the state so that a checkpoint tells an in-iteration
@@ -392,35 +389,3 @@ def completed_iters(meta: Dict[str, Any], runner: Any) -> int:
     if mark is not None:
         return it + 1 if int(mark) == it else it
     return it + 1 if isinstance(runner, IterBasedRunner) else it
-
-
-class NanGuardHook(DrivenHook, Hook):
-    """Keeps fp16/fp32 training alive through NaN/Inf divergence: detects, remedies, rolls back, continues.
-
-    Arguments are those of :class:`~petr_stability.core.guard.GuardConfig`, every one validated when the hook
-    is built. Register it as mmdet / mmdet3d 0.x do: ``custom_hooks = [dict(type='NanGuardHook')]``
-    (priority NORMAL, the default; MMCV 1.x sets ``priority`` itself, so the class defines none).
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.driver = GuardDriver(GuardConfig(**kwargs))
-        self.io: Optional[MMCV1IO] = None
-
-    def before_run(self, runner: Any) -> None:
-        self.io = MMCV1IO(runner)
-        self.driver.bind(self.io)
-        self.driver.load_state(self.io.resumed_state())
-        if get_rank() == 0:
-            self.io.watch_saves()
-        self.driver.start()
-
-    def before_train_iter(self, runner: Any) -> None:
-        self.io.mark_iter_start()
-        self.driver.before_iter(getattr(runner, "data_batch", None))
-
-    def after_train_iter(self, runner: Any) -> None:
-        self.driver.after_iter()
-
-    def after_train_epoch(self, runner: Any) -> None:
-        # The epoch's checkpoint was written before this hook ran: one agreed health check per epoch.
-        self.driver.after_epoch(not self.io.poisoned_saves and state_finite(self.io.model(), self.io.optimizers()))

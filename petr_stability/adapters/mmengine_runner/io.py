@@ -1,10 +1,4 @@
-"""NanGuardHook for MMEngine runners (plain MMEngine and mmdet3d 1.x scopes): where things live in an MMEngine runner.
-
-The hook forwards its lifecycle points to :class:`~petr_stability.adapters.driver.GuardDriver`: ``before_run``
-(bind; allow MMEngine's own resume under torch >= 2.6 when the run resumes or loads), ``before_train`` (start),
-``before_train_iter`` / ``after_train_iter``, ``after_train_epoch``, ``before_save_checkpoint`` /
-``after_load_checkpoint``.
-"""
+"""Where an MMEngine runner (plain MMEngine and mmdet3d 1.x scopes) keeps what the guard reads and changes."""
 import copy
 import glob
 import logging
@@ -13,23 +7,22 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from mmengine.hooks import CheckpointHook, EMAHook, Hook
+from mmengine.hooks import CheckpointHook, EMAHook
 from mmengine.logging import MMLogger
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
 
-from ..core.distributed import is_distributed
-from ..core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
-from ..core.guard import GuardConfig
-from ..core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
-from ..core.remedies import Change, ClipProbe, observing_clip
-from ..core.safe_load import resolve_globals
-from ..core.snapshot import copy_to_host, load_optimizer_state
-from ..core.validate import check_bool
-from .driver import STATE_KEY, DrivenHook, GuardDriver
-from .mmengine_checkpoints import MMENGINE_CHECKPOINT_GLOBALS, load_mmengine_checkpoint
+from ...core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
+from ...core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
+from ...core.recovery.snapshot import copy_to_host, load_optimizer_state
+from ...core.remedies import Change
+from ...core.safe_load import resolve_globals
+from ...core.watch.probe import ClipProbe, observing_clip
+from ..driver import STATE_KEY
+from .checkpoints import MMENGINE_CHECKPOINT_GLOBALS, load_mmengine_checkpoint
 
-__all__ = ["NanGuardHook", "MMEngineIO", "allow_mmengine_resume"]
+__all__ = ["MMEngineIO", "allow_mmengine_resume"]
+
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -302,53 +295,3 @@ def allow_mmengine_resume(log: Callable[..., None]) -> None:
         torch.serialization.add_safe_globals(types)
         log(f"NanGuard: this run loads a checkpoint under torch >= 2.6 (weights_only=True); allowed the {len(types)} "
             "types MMEngine checkpoints pickle (HistoryBuffer, numpy arrays) so that MMEngine can read them")
-
-
-class NanGuardHook(DrivenHook, Hook):
-    """Keeps fp16/fp32 training alive through NaN/Inf divergence: detects, remedies, rolls back, continues.
-
-    Arguments are those of :class:`~petr_stability.core.guard.GuardConfig` (every one validated when the
-    hook is built), plus:
-
-    Args:
-        allow_mmengine_resume: under torch >= 2.6, when the run resumes or loads a checkpoint, let MMEngine's own
-            loading read its checkpoints by adding exactly the types they pickle to torch's safe-load allowlist
-            (process-wide, logged once). Defaults to True.
-    """
-
-    priority = "NORMAL"
-
-    def __init__(self, allow_mmengine_resume: bool = True, **kwargs: Any) -> None:
-        self.driver = GuardDriver(GuardConfig(**kwargs))
-        self.allow_mmengine_resume = check_bool("allow_mmengine_resume", allow_mmengine_resume)
-        self.io: Optional[MMEngineIO] = None
-
-    def before_run(self, runner: Any) -> None:
-        self.io = MMEngineIO(runner)
-        self.driver.bind(self.io)
-        loads = getattr(runner, "_resume", False) or getattr(runner, "_load_from", None)
-        if self.allow_mmengine_resume and loads:
-            allow_mmengine_resume(self.io.log)
-
-    def before_train(self, runner: Any) -> None:
-        self.driver.start()
-
-    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
-        self.io.release_checkpoint_hooks()
-        self.driver.before_iter(data_batch)
-
-    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
-        # Runner.save_checkpoint (and so before_save_checkpoint) runs on rank 0 only, where no collective may
-        # run: under DDP the state about to be saved is checked here instead, on every rank, and agreed.
-        self.io.save_due = is_distributed() and self.io.checkpoint_due(batch_idx)
-        self.driver.after_iter()
-
-    def after_train_epoch(self, runner: Any) -> None:
-        self.driver.after_epoch()
-
-    def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
-        if self.guard is not None:
-            self.driver.before_save(checkpoint, self.io.fill_checkpoint)
-
-    def after_load_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
-        self.driver.after_load(checkpoint, getattr(runner, "_resume", False), checkpoint.get(STATE_KEY))

@@ -1,7 +1,7 @@
 """What an MMEngine checkpoint pickles besides tensors, and its safe loading (no mmengine import needed)."""
 from typing import Any, Dict, Sequence
 
-from ..core.safe_load import safe_load
+from ...core.safe_load import safe_load
 
 __all__ = ["MMENGINE_CHECKPOINT_GLOBALS", "load_mmengine_checkpoint"]
 

@@ -1,0 +1,190 @@
+"""Why a confirmed divergence happened, from its replay: :func:`classify` a rank's report, :func:`merge` all ranks'.
+
+:func:`classify` reads the report of :func:`~.replay.diagnose_step` (the failing batch re-run on the live weights and
+on a healthy snapshot's, same RNG and autocast, plus the fp32 re-run of the module that overflowed) and a small
+:class:`CauseHistory` of earlier incidents. What each class gets is :data:`~..causes.CAUSE_TABLE`'s business.
+"""
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..causes import PRIORITY, Cause, Classification
+from .values import FP16_MAX
+
+__all__ = ["CauseHistory", "classify", "recurring", "merge"]
+
+
+class CauseHistory:
+    """What earlier incidents were and which causes have no remedy left: the memory :func:`classify` needs.
+
+    Args:
+        first_iterations: a data incident at an iteration (1-based, counted from the start of training) up to this
+            one is structural: the first batches break the weights the run started from. Defaults to 10.
+        recurrence_window: a data incident fewer than this many iterations after the rollback of the previous
+            data incident is structural: a second batch breaking at once means every batch breaks (a bug), not
+            one sample. Defaults to 50.
+    """
+
+    def __init__(self, first_iterations: int = 10, recurrence_window: int = 50) -> None:
+        for name, value in (("first_iterations", first_iterations), ("recurrence_window", recurrence_window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        self.first_iterations = first_iterations
+        self.recurrence_window = recurrence_window
+        self.incidents: List[Dict[str, Any]] = []
+        self.spent: Dict[str, str] = {}
+
+    def record(self, classification: Classification, iteration: int, restored_to: Optional[int] = None) -> None:
+        """Adds an incident: its class, the iteration it happened at and the iteration rolled back to."""
+        self.incidents.append({"iteration": int(iteration), "cause": classification.cause.value,
+                               "modules": list(classification.modules),
+                               "restored_to": None if restored_to is None else int(restored_to)})
+
+    def last(self) -> Optional[Dict[str, Any]]:
+        """The newest recorded incident, or None."""
+        return self.incidents[-1] if self.incidents else None
+
+    def count(self, cause: Cause) -> int:
+        """How many incidents had this cause."""
+        return sum(1 for i in self.incidents if i["cause"] == Cause(cause).value)
+
+    def clean_since_last(self, iteration: int) -> Optional[int]:
+        """Iterations trained since the newest incident's rollback point (or the incident itself); None if none."""
+        last = self.last()
+        if last is None:
+            return None
+        start = last["restored_to"] if last["restored_to"] is not None else last["iteration"]
+        return max(0, int(iteration) - start)
+
+    def mark_spent(self, cause: Cause, why: str) -> None:
+        """Records that ``cause`` has no remedy left (the ladder's last rung, the skip list's bound, ...)."""
+        self.spent[Cause(cause).value] = why
+
+    def is_spent(self, cause: Cause) -> bool:
+        """Whether ``cause`` has no remedy left."""
+        return Cause(cause).value in self.spent
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"version": 1, "incidents": [dict(i) for i in self.incidents], "spent": dict(self.spent)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.incidents = [dict(i) for i in state.get("incidents", [])]
+        self.spent = {str(k): str(v) for k, v in dict(state.get("spent", {})).items()}
+
+
+def _overflow_module(report: Mapping[str, Any]) -> Optional[str]:
+    check = report.get("fp32_check") or {}
+    return check.get("fixed_by")
+
+
+def _evidence_cause(report: Mapping[str, Any]) -> Tuple[Cause, str, List[str], Dict[str, Any]]:
+    first = report.get("first") or {}
+    healthy = report.get("on_healthy_weights")
+    signals: Dict[str, Any] = {"reproduced": bool(report.get("reproduced")),
+                               "first": {k: first.get(k) for k in ("module", "where", "dtype")} if first else None,
+                               "healthy_compared": healthy is not None}
+    # An fp16 overflow fixed by fp32, on the live weights or (when those already hold NaN) on the healthy ones.
+    for where, rep in (("live", report), ("healthy", healthy or {})):
+        module = _overflow_module(rep)
+        if module:
+            check = rep["fp32_check"]
+            signals["fp32_check"] = {k: check.get(k) for k in ("module", "fixed_by", "max_abs")}
+            made = (f"is made by the code that feeds {check['module']} (its input)" if check.get("where") == "input"
+                    else f"appears in the fp16 forward of {check['module']} from finite inputs within fp16 range")
+            return (Cause.FORWARD_OVERFLOW,
+                    f"on the {where} weights the first NaN/Inf {made}, and {module} re-run alone in fp32 on the same "
+                    f"inputs is finite (max |x| {check.get('max_abs')}, within {FP16_MAX:g})", [module], signals)
+    if first and first.get("where") == "input" and first.get("module") == "(model)":
+        return Cause.DATA, "the batch itself arrives holding NaN/Inf at the model's input", [], signals
+    if healthy is not None:
+        weights = healthy.get("weights") or "the last healthy weights"
+        if healthy.get("reproduced"):
+            where = (healthy.get("first") or {}).get("module")
+            return (Cause.DATA, f"the same batch breaks the healthy weights too ({weights}; first in {where})", [],
+                    signals)
+        return Cause.DYNAMICS, f"the same batch trains fine on the healthy weights ({weights})", [], signals
+    if report.get("reproduced"):
+        return (Cause.UNKNOWN, "the batch breaks the live weights, but there are no healthy weights to re-run it "
+                               "on (no confirmed snapshot)", [], signals)
+    return (Cause.UNKNOWN, "the re-run of the failing batch stays finite and there are no healthy weights to "
+                           "compare with", [], signals)
+
+
+def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory] = None,
+             iteration: Optional[int] = None, recurrence: bool = True) -> Classification:
+    """Classifies one confirmed divergence from its replay report.
+
+    The replay decides (fp16 overflow fixed by fp32 > a non-finite batch or one that breaks the healthy weights =
+    data > fine on the healthy weights = dynamics > unknown); a data (or reproduced unknown) divergence within
+    ``history.first_iterations`` is structural (the first batches break the start weights); then that cause
+    becomes structural when its remedies are spent
+    (:meth:`CauseHistory.mark_spent`), or, for data, when the previous incident was data too and fewer than
+    ``history.recurrence_window`` iterations trained since its rollback (every batch breaks).
+
+    Args:
+        report: a :func:`~.diagnose.diagnose_step` report (``compare='reproduced'`` gives the healthy
+            comparison whenever the live re-run reproduces); None when no diagnosis ran.
+        history: earlier incidents. Defaults to None (an empty history with its defaults).
+        iteration: the iteration of this incident (1-based, the guard's numbering). Defaults to None (unknown: no
+            first-iterations rule).
+        recurrence: apply the back-to-back data rule here. The guard applies it after the ranks agreed instead
+            (:func:`recurring`), and only when every rank's batch broke. Defaults to True.
+
+    Returns:
+        The :class:`Classification`.
+    """
+    history = history if history is not None else CauseHistory()
+    if not report:
+        return Classification(Cause.UNKNOWN, "no diagnosis ran (diagnose=False, or the adapter cannot re-run the "
+                                             "batch)")
+    if report.get("error"):
+        return Classification(Cause.UNKNOWN, f"the diagnosis failed: {report['error']}")
+    cause, evidence, modules, signals = _evidence_cause(report)
+    early = iteration is not None and iteration <= history.first_iterations
+    if early and (cause == Cause.DATA or (cause == Cause.UNKNOWN and report.get("reproduced"))):
+        # The run's first batches already break the weights it started from: nothing ever trained healthily.
+        return Classification(Cause.STRUCTURAL,
+                              f"{evidence}; at iteration {iteration}, within the first {history.first_iterations} "
+                              "iterations: the model never trained healthily",
+                              modules, dict(signals, evidence_cause=cause.value, iteration=iteration))
+    if cause != Cause.UNKNOWN and history.is_spent(cause):
+        return Classification(Cause.STRUCTURAL, f"{evidence}; and the remedies for {cause} are spent "
+                                                f"({history.spent[cause.value]}): divergences keep coming on new data",
+                              modules, dict(signals, evidence_cause=cause.value))
+    c = Classification(cause, evidence, modules, signals)
+    return recurring(c, history, iteration) if recurrence else c
+
+
+def recurring(c: Classification, history: CauseHistory, iteration: Optional[int]) -> Classification:
+    """A data divergence fewer than ``history.recurrence_window`` iterations after the previous data incident (its
+    rollback point, or the incident itself where the run went on without one), whose samples were quarantined, is
+    structural: the batches keep breaking, not one sample. Returns ``c`` unchanged otherwise."""
+    last = history.last()
+    # Only after a quarantine: its samples are gone, yet the next batch breaks too. Without one (no sample ids),
+    # two bad batches in a row are a burst of bad data as much as a bug.
+    if (c.cause != Cause.DATA or last is None or last["cause"] != Cause.DATA.value or iteration is None
+            or not last.get("quarantined", True)):
+        return c
+    clean = history.clean_since_last(iteration)
+    if clean is None or clean >= history.recurrence_window:
+        return c
+    return Classification(Cause.STRUCTURAL, f"{c.evidence}; and only {clean} iteration(s) after the previous bad "
+                                            "batch: every batch breaks, not one sample",
+                          c.modules, dict(c.signals, evidence_cause=Cause.DATA.value, clean_iterations=clean),
+                          dict(c.ranks))
+
+
+def merge(classifications: Sequence[Optional[Classification]]) -> Classification:
+    """One class from several (ranks): the highest precedence wins; its overflow modules are united.
+
+    Precedence: structural > forward overflow > data > dynamics > unknown. ``None`` entries (ranks that saw no
+    fault and ran no diagnosis) are ignored; with none left the result is unknown.
+    """
+    present = [(i, c) for i, c in enumerate(classifications) if c is not None]
+    if not present:
+        return Classification(Cause.UNKNOWN, "no rank classified the divergence")
+    _, best = max(present, key=lambda ic: (PRIORITY[ic[1].cause], -ic[0]))
+    modules: List[str] = []
+    for _, c in present:
+        if c.cause == best.cause:
+            modules.extend(m for m in c.modules if m not in modules)
+    ranks = {str(i): c.cause.value for i, c in present}
+    return Classification(best.cause, best.evidence, modules, dict(best.signals), ranks)

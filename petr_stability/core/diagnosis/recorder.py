@@ -1,0 +1,160 @@
+"""The replay's hooks: every module's inputs, outputs and gradients checked in execution order, read in one go."""
+import math
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .values import FP16_MAX, num, tensors
+
+__all__ = ["EXPLAIN", "Check", "Recorder", "largest", "nonfinite_params"]
+
+EXPLAIN = {
+    "input": "arrived non-finite at its input: made outside any module (the batch, or functional code in the "
+             "caller's forward)",
+    "parameter": "holds a non-finite parameter",
+    "output": "its forward turned finite inputs and parameters into a non-finite output",
+    "grad_input": "its backward produced a non-finite gradient for its input",
+    "grad_output": "the gradient arriving at its output is non-finite (made outside any module, e.g. the loss)",
+    "param_grad": "its backward produced a non-finite gradient for a parameter",
+}
+
+
+class Check:
+    """One observed tensor: where it was seen and its max |x| (a 0-dim tensor until read, then a float)."""
+
+    __slots__ = ("module", "kind", "where", "detail", "phase", "dtype", "key", "value")
+
+    def __init__(self, module: str, kind: str, where: str, detail: str, phase: str, tensor: torch.Tensor,
+                 key: int = 0) -> None:
+        self.module, self.kind, self.where, self.detail, self.phase, self.key = module, kind, where, detail, phase, key
+        self.dtype = str(tensor.dtype).replace("torch.", "")
+        # max |x| is NaN or Inf iff some element is; no host read here, so the re-run runs at full speed.
+        self.value: Any = tensor.detach().abs().amax().float()
+
+
+class Recorder:
+    """Owns every hook of one diagnosis and the checks they record, in execution order."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            self.names.setdefault(module, name or "(model)")
+        self.kinds = {m: type(m).__name__ for m in self.names}
+        self.phase = "forward"
+        self.checks: List[Check] = []
+        self.calls: Dict[str, int] = defaultdict(int)
+        self.handles: List[Any] = []
+        self.read_upto = 0
+
+    def install(self) -> None:
+        for module in self.names:
+            try:
+                handle = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+            except TypeError:  # torch < 2.0: no keyword arguments
+                handle = module.register_forward_pre_hook(lambda m, args: self._pre_hook(m, args, None))
+            self.handles.append(handle)
+            self.handles.append(module.register_forward_hook(self._post_hook))
+        for pname, p in self.model.named_parameters():
+            if p.requires_grad:
+                owner, _, short = pname.rpartition(".")
+                module = self.model.get_submodule(owner)
+                self.handles.append(p.register_hook(self._grad_fn(module, "param_grad", short, 0)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _add(self, module: nn.Module, where: str, detail: str, tensor: torch.Tensor, key: int = 0) -> None:
+        self.checks.append(Check(self.names.get(module, "?"), self.kinds.get(module, type(module).__name__), where,
+                                  detail, self.phase, tensor, key))
+
+    def _grad_fn(self, module: nn.Module, where: str, detail: str, key: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if grad is not None and grad.is_floating_point() and grad.numel():
+                self._add(module, where, detail, grad, key)
+        return hook
+
+    def _watch_grad(self, module: nn.Module, obj: Any, where: str) -> None:
+        for t in tensors(obj):
+            if t.requires_grad:
+                self.handles.append(t.register_hook(self._grad_fn(module, where, "", id(t))))
+
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        # In the backward phase a forward is activation checkpointing recomputing a block: its values were
+        # already checked in the forward, so only its gradients (which exist only now, for a reentrant
+        # checkpoint that ran its first forward under no_grad) are watched.
+        if self.phase == "forward":
+            for t in tensors((args, kwargs)):
+                self._add(module, "input", "", t)
+            for pname, p in module.named_parameters(recurse=False):
+                if p.is_floating_point() and p.numel():
+                    self._add(module, "parameter", pname, p)
+        self._watch_grad(module, (args, kwargs), "grad_input")
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.phase == "forward":
+            self.calls[self.names.get(module, "?")] += 1
+            for t in tensors(output):
+                self._add(module, "output", "", t)
+        self._watch_grad(module, output, "grad_output")
+
+    def read(self) -> None:
+        """Brings the values recorded since the last read to the host: one transfer per device."""
+        pending = self.checks[self.read_upto:]
+        by_device: Dict[torch.device, List[Check]] = defaultdict(list)
+        for check in pending:
+            by_device[check.value.device].append(check)
+        for checks in by_device.values():
+            for check, value in zip(checks, torch.stack([c.value for c in checks]).cpu().tolist()):
+                check.value = float(value)
+        self.read_upto = len(self.checks)
+
+    def first_nonfinite(self, phase: str) -> Optional[Check]:
+        checks = [c for c in self.checks if c.phase == phase]
+        for i, check in enumerate(checks):
+            if math.isfinite(check.value):
+                continue
+            if check.where == "grad_output":
+                # Hooks on one tensor fire together: the module whose backward made that gradient (a consumer
+                # of this output, seen as grad_input) is the better answer when it is there.
+                for other in checks[i + 1:]:
+                    if other.key != check.key:
+                        break
+                    if other.where == "grad_input" and not math.isfinite(other.value):
+                        return other
+            return check
+        return None
+
+
+def largest(checks: List[Check], wheres: Tuple[str, ...], top: int) -> List[Dict[str, Any]]:
+    per_module: Dict[str, Check] = {}
+    for check in checks:
+        if check.where not in wheres:
+            continue
+        best = per_module.get(check.module)
+        key = math.inf if math.isnan(check.value) else check.value
+        if best is None or key > (math.inf if math.isnan(best.value) else best.value):
+            per_module[check.module] = check
+    ranked = sorted(per_module.values(), key=lambda c: -(math.inf if math.isnan(c.value) else c.value))
+    return [{"module": c.module, "type": c.kind, "max_abs": num(c.value), "dtype": c.dtype,
+             "over_fp16": c.value > FP16_MAX} for c in ranked[:top]]
+
+
+def nonfinite_params(model: nn.Module) -> List[str]:
+    named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.numel()]
+    if not named:
+        return []
+    by_device: Dict[torch.device, List[Tuple[str, torch.Tensor]]] = defaultdict(list)
+    for name, p in named:
+        by_device[p.device].append((name, p.detach().abs().amax().float()))
+    bad = set()
+    for items in by_device.values():
+        values = torch.stack([v for _, v in items]).cpu().tolist()
+        bad.update(name for (name, _), v in zip(items, values) if not math.isfinite(v))
+    return [n for n, _ in named if n in bad]
+
+

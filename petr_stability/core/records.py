@@ -1,0 +1,181 @@
+"""The incident record's schema: event names, the builders every record goes through, the writer and the one reader.
+
+One JSON object per line in ``<work_dir>/nan_guard_incidents.jsonl``, written by rank 0 only. docs/incidents.md
+documents every field; tests/core/test_incident_schema.py checks the file against that table. The report, the demo
+and :func:`read_incidents` all read through :func:`read_records`.
+"""
+import enum
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["INCIDENT_FILE", "Event", "INCIDENT_EVENTS", "LogProblem", "IncidentLog", "step_record",
+           "read_records", "read_incidents"]
+
+#: File name of the incident log inside the work dir.
+INCIDENT_FILE = "nan_guard_incidents.jsonl"
+
+
+class Event(str, enum.Enum):
+    """The ``event`` of a record (a ``str`` enum: ``Event.SKIP == "skip"``)."""
+
+    DIVERGENCE = "divergence"  #: a confirmed divergence and what the guard did about it
+    STALLED = "stalled"  #: a static loss scale skipping every step, made dynamic
+    GAVE_UP = "gave_up"  #: the run stops with the guard's error
+    SKIP = "skip"  #: fp32: a step with a non-finite gradient dropped before the optimizer applied it
+    NONFINITE_LOSS = "nonfinite_loss"  #: fp32: a non-finite loss with finite gradients, the step applied
+    RECURRING_SAMPLE = "recurring_sample"  #: a sample broke steps in two epochs: named, quarantined
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Events that count as incidents (a recovery or a scale switch); ``gave_up`` ends the run.
+INCIDENT_EVENTS: Tuple[Event, ...] = (Event.DIVERGENCE, Event.STALLED)
+
+
+def step_record(event: Event, signals: Any, decision: Any, changes: Sequence[Any], recoveries: int,
+                max_recoveries: int, world_size: int, **fields: Any) -> Dict[str, Any]:
+    """The fields every record about one step carries, then ``fields`` (event-specific, in that order).
+
+    Args:
+        event: the record's event.
+        signals: the step's :class:`~.watch.detector.StepSignals`.
+        decision: the detector's :class:`~.watch.detector.Decision` (verdict and reason).
+        changes: the :class:`~.remedies.change.Change` list of the settings changed.
+        recoveries: recoveries so far in the run.
+        max_recoveries: the budget.
+        world_size: ranks in the run.
+        **fields: the event's own fields (``cause``, ``restored_from``, ``batch``, ...).
+    """
+    return {
+        "event": Event(event).value,
+        "iteration": signals.iteration,
+        "reason": decision.reason,
+        "verdict": decision.verdict.name,
+        "signals": signals.as_dict(),
+        "actions": [c.as_dict() for c in changes],
+        "recoveries": recoveries,
+        "max_recoveries": max_recoveries,
+        "world_size": world_size,
+        **fields,
+    }
+
+
+class IncidentLog:
+    """Appends incident records as JSON lines, each flushed to disk before the run goes on.
+
+    Args:
+        work_dir: the run's work dir; the log is ``<work_dir>/nan_guard_incidents.jsonl``.
+        enabled: False on every rank but 0, so that exactly one file exists per run.
+    """
+
+    def __init__(self, work_dir: Optional[str], enabled: bool = True) -> None:
+        self.path = os.path.join(work_dir, INCIDENT_FILE) if work_dir else None
+        self.enabled = enabled and self.path is not None
+
+    def write(self, record: Dict[str, Any]) -> None:
+        """Appends ``record`` (with a ``time`` field) and fsyncs it."""
+        if not self.enabled:
+            return
+        record = dict(record)
+        record.setdefault("time", time.strftime("%Y-%m-%d %H:%M:%S"))
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+@dataclass
+class LogProblem:
+    """A line that could not be used: where it is and why."""
+
+    path: str
+    line: int
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.what}"
+
+
+def _parse_line(path: str, number: int, raw: bytes, last: bool, required: Sequence[str]) -> Any:
+    """The line's object, or the :class:`LogProblem` saying why it cannot be used."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return LogProblem(path, number, f"not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return LogProblem(path, number, "a torn line (cut off while it was written)" if last
+                          else f"not valid JSON ({exc.msg} at column {exc.colno})")
+    if not isinstance(value, dict):
+        return LogProblem(path, number, f"a JSON {type(value).__name__}, not an object")
+    missing = [k for k in required if k not in value]
+    if missing:
+        return LogProblem(path, number, f"record without {', '.join(repr(k) for k in missing)}")
+    return value
+
+
+def read_records(path: str, required: Sequence[str] = ()) -> Tuple[List[Tuple[int, Dict[str, Any]]],
+                                                                   List[LogProblem]]:
+    """Reads a JSON-lines file, keeping line numbers and saying what went wrong with each unusable line.
+
+    Nothing is skipped silently: non-UTF-8 bytes, a line that is not JSON (a torn line), a JSON value that is not an
+    object and an object missing one of ``required`` are each a :class:`LogProblem`.
+
+    Args:
+        path: the file.
+        required: keys every record must have. Defaults to none.
+
+    Returns:
+        ([(line number, record), ...], [problem, ...]), both in file order; blank lines are neither.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    records: List[Tuple[int, Dict[str, Any]]] = []
+    problems: List[LogProblem] = []
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        torn = number == len(lines) and not data.endswith(b"\n")
+        value = _parse_line(path, number, raw, torn, required)
+        if isinstance(value, LogProblem):
+            problems.append(value)
+        else:
+            records.append((number, value))
+    return records, problems
+
+
+def read_incidents(path: str) -> List[Dict[str, Any]]:
+    """Reads the incident records of a run.
+
+    Args:
+        path: the log file, or a work dir holding ``nan_guard_incidents.jsonl``.
+
+    Returns:
+        The records in order. A work dir without the file (a run with no incident) gives an empty list. Lines that
+        cannot be used (a torn last line of a killed writer, non-UTF-8 bytes, a JSON value that is not an object,
+        a record without ``event``) are skipped with one ``RuntimeWarning`` naming them, as ``report`` does.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no incident log or work dir at {path}")
+    if os.path.isdir(path):
+        path = os.path.join(path, INCIDENT_FILE)
+        if not os.path.exists(path):
+            return []
+    records, problems = read_records(path, required=("event",))
+    if problems:
+        shown = "; ".join(str(p) for p in problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3
+                                                           else "")
+        warnings.warn(f"read_incidents: skipped {len(problems)} unusable line(s): {shown}", RuntimeWarning,
+                      stacklevel=2)
+    return [record for _, record in records]

@@ -1,0 +1,288 @@
+"""Recovery from a confirmed divergence, as one small state machine: diagnose, classify, agree, act, restore, record.
+
+Every incident walks :data:`TRANSITIONS` from :attr:`Step.DIAGNOSE`; any step may end the run instead
+(:attr:`Step.GIVE_UP`: the record, then the error). Only :attr:`Step.AGREE` and :attr:`Step.RESTORE` talk to the
+other ranks, each once, so every rank takes the same path; the rest is decided locally.
+
+Incidents form a *chain* until a recovery holds (a state taken after the latest recovery is confirmed): within a
+chain each restore point is used at most once and the dynamics ladder climbs one rung per incident; when it holds,
+the chain closes (:meth:`IncidentChain.close_if_held`) and everything may be used again.
+"""
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Set
+
+from .. import distributed
+from ..causes import Cause, Classification, row
+from ..config import GuardConfig
+from ..diagnosis import classify, diagnose_step, merge, recurring, summarize
+from ..errors import NanGuardGaveUp, NoHealthyStateError, StructuralDivergence
+from ..port import GuardIO, Payload
+from ..records import Event, step_record
+from ..remedies import Change
+from ..samples import sample_ids
+from ..watch.detector import Decision, StepSignals
+from .policy import CausePolicy
+from .restore import RESTORE_ORDER, RestorePoints, as_tensors
+
+__all__ = ["Step", "TRANSITIONS", "Incident", "IncidentChain"]
+
+
+class Step(str, enum.Enum):
+    """Where an incident stands."""
+
+    DIAGNOSE = "diagnose"  #: a rank whose step broke replays its batch (rank-local, on live and healthy weights)
+    CLASSIFY = "classify"  #: that rank's class, from its replay
+    AGREE = "agree"  #: one collective: every rank's class, its batch's samples, its health reading
+    ACT = "act"  #: the policy's remedies for the agreed class (which may turn out structural)
+    RESTORE = "restore"  #: the next restore point of this run, or none (bad data met a finite state)
+    RECORD = "record"  #: the counters, the log lines, the incident record
+    GIVE_UP = "give_up"  #: the record, then the guard's error (terminal)
+    DONE = "done"  #: training goes on
+
+
+#: Every step an incident may take next.
+TRANSITIONS: Dict[Step, tuple] = {
+    Step.DIAGNOSE: (Step.CLASSIFY,),
+    Step.CLASSIFY: (Step.AGREE,),
+    Step.AGREE: (Step.ACT, Step.GIVE_UP),
+    Step.ACT: (Step.RESTORE, Step.GIVE_UP),
+    Step.RESTORE: (Step.RECORD, Step.GIVE_UP),
+    Step.RECORD: (Step.DONE,),
+}
+
+
+@dataclass
+class Incident:
+    """One confirmed divergence as it moves through the steps (what each step leaves for the next)."""
+
+    signals: StepSignals
+    decision: Decision
+    inside: bool
+    iteration: int
+    epoch: int
+    batch: Any = None
+    rng: Optional[Dict[str, Any]] = None
+    attributes: List[str] = field(default_factory=list)
+    diagnosis: Optional[Dict[str, Any]] = None
+    local: Optional[Classification] = None
+    cls: Optional[Classification] = None
+    ids: List[Dict[str, Any]] = field(default_factory=list)
+    state_ok: bool = False
+    changes: List[Change] = field(default_factory=list)
+    restored: Optional[Payload] = None
+    temporal: List[str] = field(default_factory=list)
+    lost: int = 0
+    stop: Optional[tuple] = None  # (error type, why) once the run must end
+
+
+class IncidentChain:
+    """Runs an incident through the steps and keeps the chain's state (restore points tried) and the run's counters.
+
+    Args:
+        config: the guard's settings.
+        io: the runner adapter.
+        points: the run's restore points.
+        policy: the remedies by class.
+        emit: writes a record (rank 0's incident log) and tells the listeners.
+        recovered: called after a recovery with ``inside``, before its record is emitted (the guard resets its
+            watch and lets the adapter repair what the runner wrote from the abandoned path).
+        log_path: the incident log's path, for the error message (None: no work dir).
+    """
+
+    def __init__(self, config: GuardConfig, io: GuardIO, points: RestorePoints, policy: CausePolicy,
+                 emit: Callable[[Dict[str, Any]], None], recovered: Callable[[bool], None],
+                 log_path: Optional[str]) -> None:
+        self.config, self.io, self.points, self.policy = config, io, points, policy
+        self.emit, self.recovered = emit, recovered
+        self.log_path = log_path or "(no work dir: no incident log)"
+        self.recoveries = 0
+        self.iterations_lost = 0
+        self.actions_tried: List[str] = []
+        #: Restore points used in the open chain (empty: no chain open).
+        self.tried: Set[str] = set()
+        self._handlers = {Step.DIAGNOSE: self._diagnose, Step.CLASSIFY: self._classify, Step.AGREE: self._agree,
+                          Step.ACT: self._act, Step.RESTORE: self._restore, Step.RECORD: self._record,
+                          Step.GIVE_UP: self._give_up}
+
+    def run(self, incident: Incident) -> Incident:
+        """Walks ``incident`` from :attr:`Step.DIAGNOSE` to :attr:`Step.DONE` (or raises from :attr:`Step.GIVE_UP`)."""
+        step = Step.DIAGNOSE
+        while step != Step.DONE:
+            following = self._handlers[step](incident)
+            if following not in TRANSITIONS.get(step, ()):
+                raise RuntimeError(f"incident chain: no transition {step.value} -> {following.value}")
+            step = following
+        return incident
+
+    def close_if_held(self) -> Optional[str]:
+        """On a healthy step: a state taken after the latest recovery is confirmed, so the recovery held and the chain
+        closes. Returns the ladder's rung that held (or None)."""
+        if not self.tried:
+            return None
+        snap = self.points.ring.newest_confirmed()
+        if snap is None or snap.generation != self.recoveries:
+            return None
+        self.tried.clear()
+        rung = self.policy.held(snap.iteration)
+        if rung:
+            self.io.log(f"NanGuard: the recovery held (the state of iter {snap.iteration} is confirmed); the "
+                        f"ladder's rung that held: {rung}")
+        return rung
+
+    # ------------------------------------------------------------------ the steps
+    def _diagnose(self, inc: Incident) -> Step:
+        # A rank whose own step was clean would only re-run a clean batch: only those that saw the fault do.
+        saw_fault = inc.signals.suspicious or inc.signals.weights_finite is False or not distributed.is_distributed()
+        forward = self.io.rerun_forward(inc.batch) if self.config.diagnose and saw_fault else None
+        if forward is None:
+            return Step.CLASSIFY
+        try:
+            snap = self.points.healthy()
+            weights = as_tensors(snap.ready_payload()) if snap is not None else None
+            where = ("the run's start state" if snap is self.points.start else f"snapshot of iter {snap.iteration}"
+                     if snap is not None else "")
+            scale = inc.signals.loss_scale if inc.signals.loss_scale is not None else self.io.loss_scale()
+            report = diagnose_step(self.io.model(), forward, rng_state=inc.rng, loss_scale=scale or 1.0,
+                                   healthy_weights=weights, healthy_from=where if weights else "", compare="reproduced")
+        except Exception as exc:  # the diagnosis must never stand between a divergence and its recovery
+            report = {"error": f"{type(exc).__name__}: {exc}"}
+        report["rank"] = distributed.get_rank()
+        self.io.log(f"NanGuard: diagnosis of iter {inc.iteration} (rank {report['rank']}): {summarize(report)}",
+                    "warning")
+        inc.diagnosis = report
+        return Step.CLASSIFY
+
+    def _classify(self, inc: Incident) -> Step:
+        history = self.policy.history
+        if inc.diagnosis is not None:
+            inc.local = classify(inc.diagnosis, history, inc.iteration, recurrence=False)
+        elif not distributed.is_distributed():
+            inc.local = classify(None, history, inc.iteration, recurrence=False)
+        return Step.AGREE
+
+    def _agree(self, inc: Incident) -> Step:
+        # Only a rank whose own step broke (it ran the diagnosis) names its batch for the quarantine.
+        mine = {"cls": None if inc.local is None else inc.local.as_dict(),
+                "ids": sample_ids(inc.batch) if inc.diagnosis is not None and inc.batch is not None else [],
+                "checked": inc.signals.weights_finite}
+        views = distributed.gather(mine)
+        agreed = merge([None if v["cls"] is None else Classification.from_dict(v["cls"]) for v in views])
+        # Back-to-back data incidents make a run structural only when every rank's batch broke: bad samples on one
+        # rank of many (a corrupt scene) are data however often they come; a bug breaks every rank's batches.
+        everywhere = len(agreed.ranks) >= len(views) and all(r == Cause.DATA.value for r in agreed.ranks.values())
+        inc.cls = recurring(agreed, self.policy.history, inc.iteration) if everywhere or not agreed.ranks else agreed
+        inc.cls.signals.setdefault("iteration", inc.iteration)
+        inc.cls.action = self.policy.action_text(inc.cls.cause)
+        inc.ids = [i for v in views for i in v["ids"]]
+        # DDP replicas hold the same weights: one rank's finite check speaks for the state of all.
+        inc.state_ok = any(v["checked"] is True for v in views) and not any(v["checked"] is False for v in views)
+        if self.recoveries >= self.config.max_recoveries:
+            inc.stop = (NanGuardGaveUp, f"the recovery budget is spent ({self.recoveries} of max_recoveries="
+                                        f"{self.config.max_recoveries})")
+            return Step.GIVE_UP
+        return Step.ACT
+
+    def _act(self, inc: Incident) -> Step:
+        c = inc.cls
+        if c.cause != Cause.STRUCTURAL:
+            inc.changes = self.policy.act(c, self.io, inc.ids, self.recoveries + 1)
+        if c.cause == Cause.STRUCTURAL:
+            inc.changes = []
+            inc.stop = (StructuralDivergence, f"the divergence is structural: {c.evidence}. Look at: "
+                                              f"{row(Cause.STRUCTURAL).look_at}")
+            return Step.GIVE_UP
+        self._note(inc.iteration, inc.changes)
+        return Step.RESTORE
+
+    def _restore(self, inc: Incident) -> Step:
+        # Bad data met a state checked finite on every rank (the scaler or the fp32 skip kept it out): the state is
+        # not what broke, so the run goes on from it, nothing lost.
+        if "rollback" not in self.config.remedies or self._keeps_state(inc):
+            return Step.RECORD
+        payload = self.points.next(inc.iteration, self.tried)
+        if payload is None:
+            tried = ", ".join(sorted(self.tried)) or "none existed"
+            inc.stop = (NoHealthyStateError, f"no healthy state of this run is left to roll back to (tried: {tried}; "
+                                             "the order is: " + "; ".join(RESTORE_ORDER) + ")")
+            return Step.GIVE_UP
+        self.io.restore(payload)
+        self.io.rewind(payload.iteration, inc.inside)
+        self.points.drop_after(payload.iteration)
+        inc.restored, inc.lost = payload, max(0, inc.iteration - payload.iteration)
+        self.actions_tried.append(f"iter {inc.iteration}: rollback to {payload.source} (iter {payload.iteration})")
+        later = self.policy.after_restore(inc.cls, self.io, payload.lr_factor, self.recoveries + 1)
+        self._note(inc.iteration, later)
+        inc.changes += later
+        inc.temporal = self.policy.reset_temporal(self.io)
+        if inc.temporal:
+            self.io.log(f"NanGuard: temporal state reset after the rollback: {', '.join(inc.temporal)}")
+        return Step.RECORD
+
+    def _record(self, inc: Incident) -> Step:
+        self.recoveries += 1
+        self.iterations_lost += inc.lost
+        restored = None if inc.restored is None else {"source": inc.restored.source,
+                                                      "iteration": inc.restored.iteration}
+        if restored and inc.temporal:
+            restored["temporal_reset"] = inc.temporal
+        self.policy.record(inc.cls, inc.iteration, None if inc.restored is None else inc.restored.iteration)
+        record = self._base(inc, Event.DIVERGENCE, inc.changes, restored_from=restored, iterations_lost=inc.lost,
+                            epoch=inc.epoch, diagnosis=inc.diagnosis, cause=inc.cls.as_dict())
+        self._log_recovery(inc)
+        self.recovered(inc.inside)
+        self.emit(record)
+        return Step.DONE
+
+    def _give_up(self, inc: Incident) -> NoReturn:
+        error, why = inc.stop
+        changes = inc.changes if error is NoHealthyStateError else []
+        record = self._base(inc, Event.GAVE_UP, changes, why=why, diagnosis=inc.diagnosis,
+                            cause=None if inc.cls is None else inc.cls.as_dict())
+        tried = "\n".join(f"  - {a}" for a in self.actions_tried) or "  (nothing yet)"
+        msg = (f"NanGuard gave up at iter {inc.signals.iteration}: {why}. Last divergence: {inc.decision.reason}.\n"
+               f"Remedies and rollbacks so far:\n{tried}\nIncident log: {self.log_path}")
+        self.io.log(msg, "error")
+        self.emit(record)
+        raise error(msg)
+
+    # ------------------------------------------------------------------ helpers
+    def _keeps_state(self, inc: Incident) -> bool:
+        return not row(inc.cls.cause).rolls_back or (inc.cls.cause == Cause.DATA and inc.state_ok)
+
+    def _note(self, iteration: int, changes: List[Change]) -> None:
+        for change in changes:
+            self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
+
+    def _base(self, inc: Incident, event: Event, changes: List[Change], **fields: Any) -> Dict[str, Any]:
+        extra = {"nonfinite_attributes": list(inc.attributes)} if inc.attributes else {}
+        return step_record(event, inc.signals, inc.decision, changes, self.recoveries, self.config.max_recoveries,
+                           distributed.get_world_size(), **extra, **fields)
+
+    def _log_recovery(self, inc: Incident) -> None:
+        if inc.restored is not None:
+            where = (f"rolled back to iter {inc.restored.iteration} from {inc.restored.source}, {inc.lost} "
+                     "iteration(s) lost")
+        elif "rollback" in self.config.remedies:
+            where = "no rollback (the state is finite on every rank: the bad batch is skipped)"
+        else:
+            where = "no rollback (disabled)"
+        c = inc.cls
+        self.io.log(f"NanGuard: divergence at iter {inc.iteration} ({inc.decision.reason}); cause: {c.cause.value} "
+                    f"({c.evidence}); recovery {self.recoveries}/{self.config.max_recoveries}: {where}; "
+                    f"{len(inc.changes)} setting(s) changed", "warning")
+        for change in inc.changes:
+            self.io.log(f"NanGuard:   {change.target}: {change.old} -> {change.new}", "warning")
+        if inc.restored is not None:
+            self.io.log(f"NanGuard: the iteration counter restarts at {inc.restored.iteration + 1}; checkpoints of "
+                        "the replayed iterations will be written again", "warning")
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> Dict[str, Any]:
+        return {"recoveries": self.recoveries, "iterations_lost": self.iterations_lost,
+                "actions_tried": list(self.actions_tried)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.recoveries = int(state.get("recoveries", 0))
+        self.iterations_lost = int(state.get("iterations_lost", 0))
+        self.actions_tried = list(state.get("actions_tried", []))

@@ -1,0 +1,85 @@
+"""The learning-rate remedy: the rate times a factor, now and in every later value of its schedules."""
+import math
+from typing import Any, Iterable, List
+
+from .change import Change
+
+__all__ = ["scale_lr"]
+
+
+def _check_factor(factor: Any) -> float:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0 < factor < math.inf):
+        raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+    return float(factor)
+
+
+#: Scheduler attributes holding absolute learning rates (lists, or MMCV 1.x dicts of lists): torch's
+#: ``base_lrs`` / ``_last_lr`` / ``max_lrs`` / ``min_lrs``, MMEngine's ``base_values`` / ``_last_value``, MMCV 1.x
+#: ``LrUpdaterHook``'s ``base_lr`` / ``regular_lr``.
+_SCHEDULER_LISTS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "base_values", "_last_value", "base_lr",
+                    "regular_lr")
+#: Scalar floor attributes: torch/MMEngine ``eta_min``, MMCV 1.x ``min_lr``. Ratios (``eta_min_ratio``,
+#: ``min_lr_ratio``) follow the scaled base by themselves.
+_SCHEDULER_SCALARS = ("eta_min", "min_lr")
+#: Param-group keys holding learning rates: the live one, torch's ``initial_lr``, OneCycle's ``max_lr``/``min_lr``.
+_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+
+
+def _scaled(value: Any, factor: float) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value * factor
+    if isinstance(value, list):
+        return [_scaled(v, factor) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_scaled(v, factor) for v in value)
+    if isinstance(value, dict):
+        return {k: _scaled(v, factor) for k, v in value.items()}
+    return value
+
+
+def scale_lr(optimizers: Iterable[Any], factor: float, schedulers: Iterable[Any] = ()) -> List[Change]:
+    """Multiplies the learning rate by ``factor`` now and in every later value of its schedules, in place.
+
+    Every param group's ``lr`` (and ``initial_lr``, OneCycle's ``max_lr`` / ``min_lr`` where present) is scaled;
+    each scheduler's stored bases and floors too, duck-typed so no framework is imported: torch's LR schedulers
+    (``base_lrs``, ``_last_lr``, ``eta_min``, ...), MMEngine's param schedulers whose ``param_name`` is ``'lr'``
+    (``base_values``, ``_last_value``, ``eta_min``; a momentum scheduler is left alone), MMCV 1.x's
+    ``LrUpdaterHook`` (``base_lr``, ``regular_lr``, ``min_lr``). Chainable schedules (cosine's recursive form,
+    step, warmup factors) then continue at ``factor`` times the unscaled schedule, closed-form ones too.
+
+    Args:
+        optimizers: torch optimizers (anything with ``param_groups``).
+        factor: the multiplier, > 0 (0.5 halves).
+        schedulers: LR schedulers or MMCV 1.x LR hooks to scale with them. Defaults to ().
+
+    Returns:
+        One :class:`Change` per value changed (``optimizer0.group0.lr``, ``CosineAnnealingLR.base_lrs``, ...).
+
+    Raises:
+        ValueError: ``factor`` is not a finite number > 0.
+    """
+    factor = _check_factor(factor)
+    changes: List[Change] = []
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            for key in _GROUP_KEYS:
+                value = group.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    group[key] = value * factor
+                    changes.append(Change(f"optimizer{i}.group{j}.{key}", value, group[key]))
+    for sched in schedulers:
+        if getattr(sched, "param_name", "lr") != "lr":
+            continue
+        name = type(sched).__name__
+        for attr in _SCHEDULER_LISTS + _SCHEDULER_SCALARS:
+            value = getattr(sched, attr, None)
+            if value is None or isinstance(value, bool) or (attr in _SCHEDULER_SCALARS and value == 0):
+                continue
+            if not isinstance(value, (int, float, list, tuple, dict)):
+                continue
+            new = _scaled(value, factor)
+            setattr(sched, attr, new)
+            changes.append(Change(f"{name}.{attr}", value, new))
+    return changes
