@@ -73,8 +73,9 @@ def train_detector(model: torch.nn.Module, dataset: Any, cfg: Config, logger: An
     runner.register_training_hooks(cfg.lr_config, optimizer_config, cfg.checkpoint_config, cfg.log_config,
                                    cfg.get("momentum_config", None))
     # User-defined hooks, each built from mmcv.runner.HOOKS with its priority (NORMAL unless the config says).
-    # mmdet 2.28 passes custom_hooks_config=cfg.custom_hooks to register_training_hooks, which does the same;
-    # PETR's and StreamPETR's mmdet_train.py have this very loop.
+    # mmdet 2.28 passes custom_hooks_config=cfg.custom_hooks to register_training_hooks, which does the same
+    # (megvii PETR's tools/train.py gets there through mmdet3d's train_model); StreamPETR's mmdet_train.py has
+    # this very loop.
     for hook_cfg in cfg.get("custom_hooks", None) or []:
         hook_cfg = hook_cfg.copy()
         priority = hook_cfg.pop("priority", "NORMAL")

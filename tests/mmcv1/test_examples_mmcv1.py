@@ -5,7 +5,8 @@ clean), so the runner's 2 s epoch-transition sleeps that conftest.py skips in-pr
 config carries the README's ``custom_hooks`` line; a healthy run finishes with the guard active and no incident;
 with ``--bad-sample`` (a corrupt image) the run still finishes, with finite weights and at least one incident
 record; ``fp16`` on the CPU is refused with its reason. How the guard recovers from the bad sample is not asserted
-here (the hook's own tests do)."""
+here (the hook's own tests do).
+"""
 import ast
 import os
 import subprocess
