@@ -128,14 +128,15 @@ def _torch_allowlist() -> Dict[str, Any]:
 
 
 def _public_getattr(obj: Any, name: Any, *default: Any) -> Any:
-    """``getattr`` as an allowlisted global may call it: public attributes only.
+    """``getattr`` as an allowlisted global may call it: public attributes of classes only.
 
-    MMEngine checkpoints need ``getattr`` (protocol 2 pickles ``HistoryBuffer.min`` as
-    ``getattr(HistoryBuffer, 'min')``). Private and dunder attributes are refused: ``__globals__``,
-    ``__dict__`` or ``__class__`` of an allowed object would reach module namespaces.
+    MMEngine checkpoints need ``getattr``: protocol 2 pickles a method such as ``HistoryBuffer.min`` as
+    ``getattr(HistoryBuffer, 'min')``, a public name on a class, and that is all this allows. Private and dunder
+    names (``__globals__``, ``__dict__``, ``__class__``) would reach module namespaces, and attributes of other
+    objects (a function's ``cache`` dict) are state a pickle could then write into.
     """
-    if not isinstance(name, str) or name.startswith("_"):
-        raise _Refused(f"getattr(..., {name!r}) refused: only public attributes of allowlisted objects are read")
+    if not isinstance(obj, type) or not isinstance(name, str) or name.startswith("_"):
+        raise _Refused(f"getattr({_describe(obj)}, {name!r}) refused: only public attributes of classes are read")
     return getattr(obj, name, *default)
 
 
@@ -303,7 +304,7 @@ def restricted_pickle_module(extra_globals: Sequence[str] = ()) -> types.ModuleT
 
     Args:
         extra_globals: dotted names of the non-tensor types the file may hold, allowed for this module only.
-            ``builtins.getattr`` reads public attributes only. Defaults to none.
+            ``builtins.getattr`` reads public attributes of classes only. Defaults to none.
     """
     allowed = dict(_torch_allowlist())
     for name, obj in _resolve_named(extra_globals).items():

@@ -190,6 +190,16 @@ def test_getattr_escape_is_refused(tmp_path):
     assert not sentinel.exists()
 
 
+def test_getattr_reads_only_class_attributes(tmp_path):
+    # torch.serialization._get_layout.cache is a public dict on a function: SETITEMS could then write into it.
+    data = b"\x80\x02cbuiltins\ngetattr\nq\x000" + _call(
+        b"h\x00", b"ctorch.serialization\n_get_layout\n", _str("cache")) + b"."
+    path = tmp_path / "evil.pkl"
+    path.write_bytes(data)
+    with pytest.raises(UnsafeCheckpointError, match="only public attributes of classes"):
+        legacy_load(str(path), extra_globals=MMENGINE_CHECKPOINT_GLOBALS)
+
+
 def test_results_of_allowed_globals_are_never_called(tmp_path):
     # getattr(OrderedDict, 'fromkeys') is a public attribute, but the bound method it returns is not allowlisted.
     data = b"\x80\x02cbuiltins\ngetattr\nq\x000" + _call(
