@@ -54,11 +54,17 @@ def _tail(run: Run) -> str:
     return run.output[-4000:]
 
 
+def _load(path: str) -> Dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except TypeError:  # torch < 1.13: no weights_only, and everything is loaded anyway
+        return torch.load(path, map_location="cpu")
+
+
 def _last_state_dict(work_dir: Path) -> Dict[str, Any]:
     # MMEngine names its newest checkpoint in `last_checkpoint`. weights_only=False: MMEngine's meta pickles its own
     # types, and this is the file the run wrote a moment ago.
-    path = (work_dir / "last_checkpoint").read_text().strip()
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return _load((work_dir / "last_checkpoint").read_text().strip())["state_dict"]
 
 
 def _all_finite(state: Dict[str, Any]) -> bool:
@@ -66,12 +72,12 @@ def _all_finite(state: Dict[str, Any]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def healthy(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def healthy(tmp_path_factory) -> Run:
     return _train(tmp_path_factory.mktemp("healthy") / "work_dir")
 
 
 @pytest.fixture(scope="module")
-def bad_sample(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def bad_sample(tmp_path_factory) -> Run:
     return _train(tmp_path_factory.mktemp("bad_sample") / "work_dir", "--bad-sample", str(BAD_SAMPLE))
 
 

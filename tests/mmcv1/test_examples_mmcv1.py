@@ -57,10 +57,17 @@ def _tail(run: Run) -> str:
     return run.output[-4000:]
 
 
+def _load(path: str) -> Dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except TypeError:  # torch < 1.13: no weights_only, and everything is loaded anyway
+        return torch.load(path, map_location="cpu")
+
+
 def _last_state_dict(work_dir: Path) -> Dict[str, Any]:
     # MMCV 1.x links its newest checkpoint as latest.pth. weights_only=False: the meta holds the guard's state and
     # the config text, and this is the file the run wrote a moment ago.
-    return torch.load(str(work_dir / "latest.pth"), map_location="cpu", weights_only=False)["state_dict"]
+    return _load(str(work_dir / "latest.pth"))["state_dict"]
 
 
 def _all_finite(state: Dict[str, Any]) -> bool:
@@ -68,12 +75,12 @@ def _all_finite(state: Dict[str, Any]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def healthy(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def healthy(tmp_path_factory) -> Run:
     return _train(tmp_path_factory.mktemp("healthy") / "work_dir")
 
 
 @pytest.fixture(scope="module")
-def bad_sample(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def bad_sample(tmp_path_factory) -> Run:
     return _train(tmp_path_factory.mktemp("bad_sample") / "work_dir", "--bad-sample", str(BAD_SAMPLE))
 
 
