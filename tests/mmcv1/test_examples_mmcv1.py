@@ -27,7 +27,7 @@ from petr_stability import INCIDENT_FILE, read_incidents  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "mmcv1"
-#: examples/README.md promises a run in well under a minute; a run takes ~15-20 s here (2 CPU cores), 6 s of it
+#: examples/README.md promises a run in well under a minute; a run took 15-28 s here (2 busy CPU cores), 6 s of it
 #: MMCV's own sleeps between epochs.
 BUDGET_S = 60.0
 BAD_SAMPLE = 10
@@ -45,7 +45,7 @@ def _train(work_dir: Path, *extra: str) -> Run:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, str(EXAMPLE / "train.py"), str(EXAMPLE / "config.py"), "--work-dir", str(work_dir), *extra]
     start = time.monotonic()
-    # cwd elsewhere than the repository: the config finds its model from its own folder, not from the cwd.
+    # cwd elsewhere than the repository: nothing may depend on being started from the repository root.
     proc = subprocess.run(cmd, cwd=str(work_dir.parent), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=300)
     run = Run(work_dir, proc.returncode, proc.stdout, time.monotonic() - start)
