@@ -9,8 +9,10 @@ import sys
 # The toy model is a file next to this config, not an installed package: put this folder on sys.path so that
 # custom_imports finds 'toy_detector' whoever reads the config. A real project's model is importable already
 # (mmdet3d installed; PETR and StreamPETR import their plugin folder from the repository root) and needs no such line.
+# Appended, not inserted first: MMCV 1.x imports the config with its temp dir put first on sys.path and pops
+# sys.path[0] afterwards, which would take this entry away instead.
 if '{{ fileDirname }}' not in sys.path:
-    sys.path.insert(0, '{{ fileDirname }}')
+    sys.path.append('{{ fileDirname }}')
 
 # ---- NanGuardHook: the README's two lines. 'toy_detector' (this example's model) sits next to 'petr_stability'
 # as your project's own module would.

@@ -40,13 +40,16 @@ class Run(NamedTuple):
     seconds: float
 
 
-def _train(work_dir: Path, *extra: str) -> Run:
+def _env() -> Dict[str, str]:
     # The repository on PYTHONPATH, as the README allows instead of `pip install -e .`.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+
+
+def _train(work_dir: Path, *extra: str) -> Run:
     cmd = [sys.executable, str(EXAMPLE / "train.py"), str(EXAMPLE / "config.py"), "--work-dir", str(work_dir), *extra]
     start = time.monotonic()
     # cwd elsewhere than the repository: nothing may depend on being started from the repository root.
-    proc = subprocess.run(cmd, cwd=str(work_dir.parent), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run(cmd, cwd=str(work_dir.parent), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=300)
     run = Run(work_dir, proc.returncode, proc.stdout, time.monotonic() - start)
     print(f"{' '.join(cmd[1:])}: exit {run.returncode} in {run.seconds:.1f} s")
@@ -100,6 +103,23 @@ def test_config_holds_the_readme_lines():
     values = _config_values(EXAMPLE / "config.py", "custom_imports", "custom_hooks")
     assert values["custom_hooks"] == [{"type": "NanGuardHook"}]
     assert values["custom_imports"] == {"imports": ["petr_stability", "toy_detector"], "allow_failed_imports": False}
+
+
+
+def test_config_loads_outside_its_train_script(tmp_path):
+    """Any train script that reads the config with ``Config.fromfile`` gets the guard and the toy model registered."""
+    script = tmp_path / "another_train_script.py"
+    script.write_text("\n".join([
+        "import sys",
+        "from mmcv import Config",
+        "Config.fromfile(sys.argv[1])",
+        "from mmcv.cnn import MODELS",
+        "from mmcv.runner import HOOKS",
+        "assert HOOKS.get('NanGuardHook') and MODELS.get('ToyDetector'), 'not registered'",
+    ]))
+    proc = subprocess.run([sys.executable, str(script), str(EXAMPLE / "config.py")], cwd=str(tmp_path), env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
 
 
 def test_healthy_run_finishes_guarded_without_incident(healthy):
