@@ -1,9 +1,10 @@
 """examples/mmengine end to end, as a newcomer types it: ``python examples/mmengine/train.py CONFIG --work-dir DIR``.
 
 Each run is a subprocess (the example's own model registers in MMEngine's global registries; this process stays
-clean). Asserted: the config carries the README's ``custom_hooks`` line; a healthy run finishes with the guard active
-and no incident; with ``--bad-sample`` (a corrupt image) the run still finishes, with finite weights and at least
-one incident record. How the guard recovers from the bad sample is not asserted here (the hook's own tests do).
+clean). Asserted: the config carries the README's ``custom_hooks`` line and registers the guard and the model for
+any script that reads it; a healthy run finishes with the guard active and no incident; with ``--bad-sample`` (a
+corrupt image) the run still finishes, with finite weights and at least one incident record. How the guard recovers
+from the bad sample is not asserted here (the hook's own tests do).
 """
 import ast
 import os

@@ -1,11 +1,11 @@
 """examples/mmcv1 end to end, as a newcomer types it: ``python examples/mmcv1/train.py CONFIG --work-dir DIR``.
 
-Each run is a subprocess (the example's own model registers in MMCV's global registries; this process stays
-clean), so the runner's 2 s epoch-transition sleeps that conftest.py skips in-process count here. Asserted: the
-config carries the README's ``custom_hooks`` line; a healthy run finishes with the guard active and no incident;
-with ``--bad-sample`` (a corrupt image) the run still finishes, with finite weights and at least one incident
-record; ``fp16`` on the CPU is refused with its reason. How the guard recovers from the bad sample is not asserted
-here (the hook's own tests do).
+Each run is a subprocess (the example's own model registers in MMCV's global registries; this process stays clean),
+so the runner's 2 s epoch-transition sleeps that conftest.py skips in-process count here. Asserted: the config
+carries the README's ``custom_hooks`` line and registers the guard and the model for any script that reads it; a
+healthy run finishes with the guard active and no incident; with ``--bad-sample`` (a corrupt image) the run still
+finishes, with finite weights and at least one incident record; ``fp16`` on the CPU is refused with its reason. How
+the guard recovers from the bad sample is not asserted here (the hook's own tests do).
 """
 import ast
 import os
