@@ -1,4 +1,5 @@
-"""patch-config on MMEngine and MMCV 1.x configs: _base_, nested lists, every spelling, loads from anywhere."""
+"""patch-config and write_patched_config on MMEngine and MMCV 1.x configs: _base_, nested lists, every spelling,
+loads from anywhere, read with mmengine.Config and mmcv.Config; the file carries exactly the run's fix."""
 import copy
 import os
 import shutil
@@ -8,13 +9,23 @@ import sys
 import pytest
 
 from petr_stability.cli import main
-from petr_stability.tools.patch_config import (
-    HAS_MMENGINE,
+from petr_stability.configfix import (
+    ConfigFix,
+    apply_fix,
+    available_loaders,
     load_config,
-    patch_config_dict,
+    load_config_text,
     strip_fault_injection,
     write_patched_config,
 )
+
+HAS_MMENGINE = "mmengine" in available_loaders()
+HAS_MMCV1 = "mmcv" in available_loaders()
+KNOWN = ConfigFix.known_manual_fix()
+
+
+def patch_config_dict(cfg, max_norm=1.0):
+    return apply_fix(cfg, ConfigFix.known_manual_fix(max_norm))
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -124,13 +135,37 @@ def test_output_loads_with_mmengine_from_another_directory(tmp_path):
     assert res.stdout.split() == ["1", "0.1"]
 
 
-def test_write_patched_config_from_text(tmp_path):
+@pytest.mark.parametrize("loader", ["mmengine", "mmcv"])
+def test_write_patched_config_from_text(tmp_path, loader):
+    if loader not in available_loaders():
+        pytest.skip(f"{loader} Config is not installed here")
     text = open(os.path.join(DATA, "_base_", "mmcv1_petr_base.py")).read()
-    result = write_patched_config(text, str(tmp_path / "w" / "fixed.py"))
-    assert len(result) == len(result.changes) == 4  # len() is the number of changes, as older callers read it
+    result = write_patched_config(text, str(tmp_path / "w" / "fixed.py"), KNOWN, loader=loader)
+    assert len(result) == len(result.changes) == 4  # len() is the number of changes
     assert result.kind == "flat"
-    assert load_config(str(tmp_path / "w" / "fixed.py"))["optimizer_config"]["grad_clip"]["max_norm"] == 1
-    assert write_patched_config(str(tmp_path / "w" / "fixed.py"), str(tmp_path / "again.py")).changes == []
+    assert load_config(str(tmp_path / "w" / "fixed.py"), loader)["optimizer_config"]["grad_clip"]["max_norm"] == 1
+    again = write_patched_config(str(tmp_path / "w" / "fixed.py"), str(tmp_path / "again.py"), KNOWN, loader=loader)
+    assert again.changes == []
+
+
+@pytest.mark.parametrize("loader", ["mmengine", "mmcv"])
+def test_config_text_with_a_relative_base(tmp_path, loader):
+    """MMCV 1.x runners keep the config as text; a relative _base_ in it resolves against base_dir."""
+    if loader not in available_loaders():
+        pytest.skip(f"{loader} Config is not installed here")
+    text = open(os.path.join(DATA, "mmcv1_drill.py")).read()
+    assert "_base_ = './_base_/mmcv1_petr_base.py'" in text
+    assert load_config_text(text, base_dir=DATA, loader=loader) == load_config(os.path.join(DATA, "mmcv1_drill.py"),
+                                                                                  loader)
+    out = tmp_path / "fixed.py"
+    write_patched_config(text, str(out), ConfigFix(max_norm=2.0), base_dir=DATA, loader=loader)
+    assert load_config(str(out), loader)["optimizer_config"]["grad_clip"]["max_norm"] == 2
+    with pytest.raises(FileNotFoundError, match="mmcv1_petr_base.py"):
+        load_config_text(text, base_dir=str(tmp_path), loader=loader)  # relative to the wrong directory
+    with pytest.raises(ValueError, match="config text is not valid Python"):
+        load_config_text("model = dict(\n", loader=loader)
+    with pytest.raises(ValueError, match="config text: NameError"):
+        load_config_text("model = dict(type=undefined_name)\n", loader=loader)
 
 
 def test_errors_name_the_bad_value(tmp_path, capsys):
@@ -144,8 +179,11 @@ def test_errors_name_the_bad_value(tmp_path, capsys):
     noopt.write_text("model = dict(type='X')\n")
     assert main(["patch-config", str(noopt), "-o", str(tmp_path / "o.py")]) == 2
     assert "optim_wrapper" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="max_norm must be a finite number > 0, got 0"):
+    with pytest.raises(ValueError, match="max_norm must be a finite number > 0 or None, got 0"):
         patch_config_dict(load_config(os.path.join(DATA, "mmcv1_petr.py")), max_norm=0)
+    assert main(["patch-config", os.path.join(DATA, "mmcv1_petr.py"), "-o", str(tmp_path / "o.py"),
+                 "--max-norm", "-1"]) == 2
+    assert "max_norm must be a finite number > 0 or None, got -1.0" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ CLI refusals (exit 2, the file named)
@@ -179,6 +217,45 @@ def test_out_equal_to_input_needs_in_place(tmp_path, capsys):
     assert "-o" in capsys.readouterr().err
 
 
+def test_in_place_twice_keeps_the_original_byte_for_byte(tmp_path, capsys):
+    cfgs = _copy_data(tmp_path)
+    cfg = cfgs / "mmcv1_petr.py"
+    original = cfg.read_bytes()
+    assert main(["patch-config", str(cfg), "--in-place"]) == 0
+    assert f"kept the file as it was before this run in {cfg}.bak\n" in capsys.readouterr().out
+    once = cfg.read_bytes()
+    assert main(["patch-config", str(cfg), "-o", str(cfg), "--in-place", "--max-norm", "0.5"]) == 0
+    # .bak is never overwritten: the once-patched file goes to .bak.1
+    assert f"kept the file as it was before this run in {cfg}.bak.1\n" in capsys.readouterr().out
+    assert (cfgs / "mmcv1_petr.py.bak").read_bytes() == original
+    assert (cfgs / "mmcv1_petr.py.bak.1").read_bytes() == once
+    assert load_config(str(cfg))["optimizer_config"]["grad_clip"]["max_norm"] == 0.5
+    (cfgs / "mmcv1_petr.py.bak.2").write_text("# someone else's file\n")
+    assert main(["patch-config", str(cfg), "--in-place"]) == 0
+    assert f"{cfg}.bak.3" in capsys.readouterr().out
+    assert (cfgs / "mmcv1_petr.py.bak.2").read_text() == "# someone else's file\n"
+
+
+def test_in_place_on_a_config_that_does_not_load_makes_no_backup(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("model = dict(type=undefined_name)\n")
+    assert main(["patch-config", str(bad), "--in-place"]) == 2
+    assert "bad.py" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.py"]
+
+
+def test_cli_header_is_written_from_its_arguments(tmp_path, capsys):
+    out = tmp_path / "p.py"
+    assert main(["patch-config", os.path.join(DATA, "mmcv1_petr.py"), "-o", str(out), "--max-norm", "5"]) == 0
+    header = [line for line in out.read_text().splitlines() if line.startswith("#")]
+    text = "\n".join(header)
+    assert "Fix: the known manual fix (transformer dropout 0, max_norm 5); 4 value(s) changed:" in text
+    assert "max_norm 1" not in text
+    assert "optimizer_config.grad_clip.max_norm: 35 -> 5" in text
+    printed = capsys.readouterr().out
+    assert printed.startswith("the known manual fix (transformer dropout 0, max_norm 5): 4 change(s)")
+
+
 def test_out_naming_a_directory_refused(tmp_path, capsys):
     out = tmp_path / "outdir"
     out.mkdir()
@@ -192,11 +269,11 @@ def test_out_naming_a_directory_refused(tmp_path, capsys):
     # (an `import` statement would make MMEngine read the file as a lazy-import config, which defers it)
     ("plugin = __import__('no_such_module_for_petr_stability')\nmodel = dict()\n", "ModuleNotFoundError"),
 ])
-@pytest.mark.parametrize("use_mmengine", [False, True])
-def test_config_that_raises_is_exit_2_naming_the_file(tmp_path, capsys, monkeypatch, body, error, use_mmengine):
-    if use_mmengine and not HAS_MMENGINE:
-        pytest.skip("mmengine is not installed")
-    monkeypatch.setattr("petr_stability.tools.patch_config.HAS_MMENGINE", use_mmengine)
+@pytest.mark.parametrize("loader", ["mmengine", "mmcv"])
+def test_config_that_raises_is_exit_2_naming_the_file(tmp_path, capsys, monkeypatch, body, error, loader):
+    if loader not in available_loaders():
+        pytest.skip(f"{loader} Config is not installed here")
+    monkeypatch.setattr("petr_stability.configfix.load.default_loader", lambda: loader)
     cfg = tmp_path / "raises.py"
     cfg.write_text(body)
     assert main(["patch-config", str(cfg), "-o", str(tmp_path / "o.py")]) == 2
@@ -223,13 +300,43 @@ def test_mmengine_base_references_and_read_base(tmp_path, name):
         assert patched["train_cfg"]["max_epochs"] == 12
 
 
-def test_stdlib_loader_reads_base_references_as_mmengine_does():
-    path = os.path.join(DATA, "mmengine_base_ref.py")
-    stdlib = load_config(path, use_mmengine=False)
-    assert stdlib["optim_wrapper"]["optimizer"]["lr"] == pytest.approx(4e-4)
-    assert stdlib["train_cfg"]["max_epochs"] == 12
-    if HAS_MMENGINE:
-        assert _diff(stdlib, load_config(path, use_mmengine=True)) == {}
+@pytest.mark.skipif(not HAS_MMCV1, reason="MMCV 1.x (mmcv.Config) is not installed here")
+@pytest.mark.parametrize("name", ["mmcv1_drill.py", "mmcv1_petr.py", "mmengine_petr.py", "mmcv1_streampetr.py",
+                                  "mmengine_flash.py"])
+def test_mmcv_config_and_mmengine_config_read_the_same(name):
+    path = os.path.join(DATA, name)
+    assert _diff(load_config(path, "mmcv"), load_config(path, "mmengine")) == {}
+
+
+@pytest.mark.skipif(not HAS_MMCV1, reason="MMCV 1.x (mmcv.Config) is not installed here")
+def test_mmcv_config_has_no_base_references():
+    """``_base_.x`` references and read_base() are MMEngine's: mmcv.Config refuses them, naming the file."""
+    for name in ("mmengine_base_ref.py", "mmengine_read_base.py"):
+        with pytest.raises(ValueError, match=name):
+            load_config(os.path.join(DATA, name), "mmcv")
+
+
+def test_no_config_reader_installed(tmp_path, monkeypatch, capsys):
+    """Neither mmengine nor MMCV 1.x: a clear error naming both; a dict config is still written (flat)."""
+    from petr_stability.configfix import NoConfigLoaderError
+
+    monkeypatch.setattr("petr_stability.configfix.load._config_class", lambda name: None)
+    with pytest.raises(NoConfigLoaderError, match="needs mmengine .* or MMCV 1.x"):
+        load_config(os.path.join(DATA, "mmcv1_petr.py"))
+    assert main(["patch-config", os.path.join(DATA, "mmcv1_petr.py"), "-o", str(tmp_path / "o.py")]) == 2
+    err = capsys.readouterr().err
+    assert "mmengine" in err and "MMCV 1.x" in err and "Traceback" not in err
+    assert main(["check", os.path.join(DATA, "mmcv1_petr.py")]) == 2
+    assert "mmengine" in capsys.readouterr().err
+    cfg = {"model": dict(type="Petr3D"), "optimizer": dict(type="AdamW", lr=2e-4), "optimizer_config": dict()}
+    result = write_patched_config(cfg, str(tmp_path / "p.py"), ConfigFix(max_norm=1.0),
+                                  original_path=os.path.join(DATA, "mmcv1_petr.py"))
+    assert result.kind == "flat" and any("could not be read" in n for n in result.notes)
+    for loader in ("mmengine", "mmcv"):
+        with pytest.raises(NoConfigLoaderError, match=f"loader='{loader}' needs"):
+            load_config(os.path.join(DATA, "mmcv1_petr.py"), loader)
+    with pytest.raises(ValueError, match="loader must be one of .*, got 'yaml'"):
+        load_config(os.path.join(DATA, "mmcv1_petr.py"), "yaml")
 
 
 # ------------------------------------------------------------------ what the hook calls
@@ -257,7 +364,7 @@ def test_child_config_from_the_effective_config(tmp_path):
     original = os.path.join(DATA, "mmcv1_drill.py")
     effective = _effective_mmcv1()
     out = str(tmp_path / "run" / "nan_guard_patched_config.py")
-    result = write_patched_config(effective, out, max_norm=1.0, original_path=original)
+    result = write_patched_config(effective, out, KNOWN, original_path=original)
     assert result.kind == "child" and result.path == out
     assert effective == _effective_mmcv1()  # the caller's dict is left alone
     text = open(out).read()
@@ -272,8 +379,9 @@ def test_child_config_from_the_effective_config(tmp_path):
     assert loaded["custom_hooks"] == [dict(type="NanGuardHook")]
     assert loaded["data"] == dict(samples_per_gpu=2, workers_per_gpu=4)
     assert len(result.changes) == 4 and any("FaultInjectionHook" in n for n in result.notes)
-    # the same file loads with the stdlib loader too (MMCV-1-only environments)
-    assert _diff(load_config(out, use_mmengine=False), flat) == {}
+    # the same file loads with mmcv.Config too (what an MMCV 1.x runner reads it with)
+    if HAS_MMCV1:
+        assert _diff(load_config(out, "mmcv"), flat) == {}
 
 
 def test_child_config_mmengine_with_override(tmp_path):
@@ -282,7 +390,7 @@ def test_child_config_mmengine_with_override(tmp_path):
     effective["optim_wrapper"]["optimizer"]["lr"] = 1e-5  # an override that differs from the file
     effective["train_cfg"].pop("val_interval")  # a key the run dropped: the dict must be replaced whole
     out = str(tmp_path / "child.py")
-    result = write_patched_config(effective, out, original_path=original)
+    result = write_patched_config(effective, out, KNOWN, original_path=original)
     assert result.kind == "child"
     flat = copy.deepcopy(effective)
     patch_config_dict(flat, 1.0)
@@ -294,7 +402,7 @@ def test_flat_when_no_reachable_original(tmp_path):
     effective = _effective_mmcv1()
     for original in (None, str(tmp_path / "gone.py")):
         out = str(tmp_path / "flat.py")
-        result = write_patched_config(effective, out, original_path=original)
+        result = write_patched_config(effective, out, KNOWN, original_path=original)
         assert result.kind == "flat"
         assert "_base_" not in load_config(out) and "_base_ =" not in open(out).read()
         assert load_config(out)["data"]["samples_per_gpu"] == 2
@@ -306,7 +414,7 @@ def test_read_base_original_gives_flat(tmp_path):
     if not HAS_MMENGINE:
         pytest.skip("mmengine is not installed")
     original = os.path.join(DATA, "mmengine_read_base.py")
-    result = write_patched_config(load_config(original), str(tmp_path / "p.py"), original_path=original)
+    result = write_patched_config(load_config(original), str(tmp_path / "p.py"), KNOWN, original_path=original)
     assert result.kind == "flat"
     assert any("read_base" in n for n in result.notes)
     assert load_config(str(tmp_path / "p.py"))["optim_wrapper"]["clip_grad"]["max_norm"] == 1
@@ -315,7 +423,7 @@ def test_read_base_original_gives_flat(tmp_path):
 def test_hidden_transformer_is_a_note(tmp_path):
     cfg = dict(model=dict(type="Petr3D", pts_bbox_head=dict(type="PETRHead", transformer_cfg="built in code")),
                optimizer=dict(type="AdamW", lr=2e-4), optimizer_config=dict(grad_clip=dict(max_norm=35)))
-    result = write_patched_config(cfg, str(tmp_path / "p.py"), max_norm=0.5)
+    result = write_patched_config(cfg, str(tmp_path / "p.py"), ConfigFix.known_manual_fix(0.5))
     assert [str(c) for c in result.changes] == ["optimizer_config.grad_clip.max_norm: 35 -> 0.5"]
     assert any("no transformer found" in n for n in result.notes)
 
@@ -329,7 +437,7 @@ def test_runner_config_objects_are_accepted(tmp_path):
     original = os.path.join(DATA, "mmcv1_drill.py")
     cfg = Config.fromfile(original)
     cfg.merge_from_dict({"data.samples_per_gpu": 2})  # as --cfg-options does
-    result = write_patched_config(cfg, str(tmp_path / "p.py"), original_path=original)
+    result = write_patched_config(cfg, str(tmp_path / "p.py"), KNOWN, original_path=original)
     assert result.kind == "child"
     loaded = load_config(str(tmp_path / "p.py"))
     assert loaded["data"]["samples_per_gpu"] == 2

@@ -5,13 +5,14 @@ import os
 import pytest
 
 from petr_stability.cli import main
-from petr_stability.tools.patch_config import load_config
-from petr_stability.tools.preflight import (
+from petr_stability.configfix import (
     CHECKS,
     Finding,
     check_config,
+    check_file,
     check_runner_config,
     format_findings,
+    load_config,
     log_findings,
 )
 
@@ -465,3 +466,97 @@ def test_cli_bad_input_exits_2_naming_the_file(tmp_path, capsys):
     assert "syntax.py" in capsys.readouterr().err
     assert main(["check", PETR, "--gpus", "0"]) == 2
     assert "world_size must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- whose batch (issue 22)
+STREAMPETR_ON_MMENGINE_BASE = os.path.join(DATA, "streampetr_on_mmengine_base.py")
+PETR14 = os.path.join(DATA, "petr14_on_unrelated_schedule.py")
+
+
+def _cli_check(capsys, path, gpus):
+    assert main(["check", path, "--gpus", str(gpus)]) == 0
+    return capsys.readouterr().out
+
+
+def test_mmcv1_config_on_an_mmengine_base_trains_with_samples_per_gpu(capsys):
+    """StreamPETR (MMCV 1.x) on an mmdet3d 1.x checkout also inherits train_dataloader.batch_size=4."""
+    cfg = load_config(STREAMPETR_ON_MMENGINE_BASE)
+    assert (cfg["train_dataloader"]["batch_size"], cfg["data"]["samples_per_gpu"]) == (4, 2)  # both keys
+    out = _cli_check(capsys, STREAMPETR_ON_MMENGINE_BASE, 8)  # 8 x 2 = 16: the batch its lr is written for
+    assert "lr-not-scaled" not in out and "8 x 4" not in out
+    out = _cli_check(capsys, STREAMPETR_ON_MMENGINE_BASE, 2)
+    assert "this run has 2 x 2 = 4 (data.samples_per_gpu=2 per GPU)" in out
+    assert "num_gpus=8 x batch_size=2" in out and "lr=0.0001" in out
+
+
+@pytest.mark.parametrize("family", ["mmcv1", "mmengine"])
+def test_the_batch_key_is_the_familys_own(family):
+    cfg = mmcv1_cfg() if family == "mmcv1" else mmengine_cfg()
+    cfg["train_dataloader"] = dict(batch_size=1 if family == "mmengine" else 4)
+    cfg["data"] = dict(samples_per_gpu=1 if family == "mmcv1" else 4, workers_per_gpu=4)
+    cfg["model"]["img_neck"]["norm_cfg"] = dict(type="BN2d")
+    key = "data.samples_per_gpu" if family == "mmcv1" else "train_dataloader.batch_size"
+    f = _one(check_config(cfg), "bn-batch-one")
+    assert f"({key}=1)" in f.why
+    cfg.update(num_gpus=8, batch_size=1)
+    f = _one(check_config(cfg, world_size=2), "lr-not-scaled")
+    assert f"this run has 2 x 1 = 2 ({key}=1 per GPU)" in f.why
+
+
+def test_auto_scale_lr_of_an_unrelated_schedule_file_is_not_the_lrs_batch(capsys):
+    """mmdet3d 1.4 PETR sets lr 2e-4 itself; auto_scale_lr (base 32) comes from a schedule file written for 1e-4."""
+    cfg = load_config(PETR14)
+    assert cfg["auto_scale_lr"] == dict(enable=False, base_batch_size=32)
+    assert cfg["optim_wrapper"]["optimizer"]["lr"] == 2e-4
+    for gpus in (8, 2):
+        out = _cli_check(capsys, PETR14, gpus)
+        assert "auto-scale-lr-off" not in out and "lr-not-scaled" not in out and "base_batch_size=32" not in out
+
+
+def test_auto_scale_lr_written_with_or_after_the_lr_counts():
+    own = os.path.join(DATA, "petr14_own_auto_scale_lr.py")  # a child of PETR14 declaring base_batch_size=8
+    assert check_file(own, world_size=8) == []
+    f = _one(check_file(own, world_size=2), "auto-scale-lr-off")
+    assert "base_batch_size=8" in f.why and "2 x 1 = 2 (train_dataloader.batch_size=1 per GPU)" in f.why
+    schedule_lr = os.path.join(DATA, "mmengine_schedule_lr.py")  # trains at the schedule file's own lr
+    assert check_file(schedule_lr, world_size=8) == []  # 8 x 4 = 32, the schedule's base
+    f = _one(check_file(schedule_lr, world_size=2), "auto-scale-lr-off")
+    assert "base_batch_size=32" in f.why and "2 x 4 = 8" in f.why
+    # Without the file tree (a bare dict), every declaration counts: the finding a dict cannot tell from.
+    assert "auto-scale-lr-off" in _ids(check_config(load_config(PETR14), world_size=8))
+
+
+def test_the_hook_entry_reads_the_tree_of_the_run_s_file():
+    cfg = load_config(PETR14)
+    assert check_runner_config(cfg, 8, filename=PETR14) == []
+    mmengine_config = pytest.importorskip("mmengine.config")
+    runner_cfg = mmengine_config.Config.fromfile(PETR14, import_custom_modules=False)  # .filename is the file
+    assert check_runner_config(runner_cfg, 8) == []
+    # An lr set at launch (--cfg-options) is the run's own: the file's declarations are not for it.
+    cfg["optim_wrapper"]["optimizer"]["lr"] = 1e-3
+    own = load_config(os.path.join(DATA, "petr14_own_auto_scale_lr.py"))
+    own["optim_wrapper"]["optimizer"]["lr"] = 1e-3
+    assert check_runner_config(own, 2, filename=os.path.join(DATA, "petr14_own_auto_scale_lr.py")) == []
+    assert _ids(check_runner_config(own, 2)) == ["auto-scale-lr-off"]  # no file: the declaration counts
+
+
+@pytest.mark.parametrize("loader", ["mmengine", "mmcv"])
+def test_check_file_with_either_loader(loader):
+    from petr_stability.configfix import available_loaders
+
+    if loader not in available_loaders():
+        pytest.skip(f"{loader} Config is not installed here")
+    assert "lr-not-scaled" not in _ids(check_file(STREAMPETR_ON_MMENGINE_BASE, world_size=8, loader=loader))
+    assert check_file(PETR14, world_size=8, loader=loader) == []
+
+
+STREAMPETR_CLONE = os.path.join(os.environ.get("STREAMPETR_ROOT", "/work/clones/StreamPETR"), "projects", "configs",
+                                "StreamPETR", "stream_petr_r50_flash_704_bs2_seq_428q_nui_60e.py")
+
+
+@pytest.mark.skipif(not os.path.isfile(STREAMPETR_CLONE), reason="no StreamPETR clone on this machine")
+def test_real_streampetr_60e_config_at_its_8_gpus():
+    findings = check_file(STREAMPETR_CLONE, world_size=8)
+    assert "lr-not-scaled" not in _ids(findings)
+    f = _one(check_file(STREAMPETR_CLONE, world_size=2), "lr-not-scaled")
+    assert "num_gpus=8 x batch_size=2" in f.why and "2 x 2 = 4 (data.samples_per_gpu=2 per GPU)" in f.why
