@@ -19,6 +19,7 @@ env-mmcv1:
 
 lint: env-mmengine
 	.venv/bin/ruff check .
+	bash scripts/check_floor.sh
 
 # tests/cuda runs on a GPU where there is one, else as a CPU rehearsal of its test code (tests/cuda/cuda_profile.py).
 test-mmengine: env-mmengine

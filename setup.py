@@ -15,11 +15,11 @@ setup(
     install_requires=[],
     extras_require={
         # The user's own torch build is expected; these extras only name the tested floors.
-        "torch": ["torch>=1.10"],
+        "torch": ["torch>=1.9"],
         "mmengine": ["mmengine>=0.7", "mmcv>=2.0.0rc4"],
         "mmcv1": ["mmcv-full>=1.4,<2.0"],
         "plot": ["matplotlib"],
-        "tests": ["pytest", "ruff==0.8.6"],
+        "tests": ["pytest", "ruff==0.8.6", "vermin==1.9.2"],
     },
     entry_points={"console_scripts": ["petr-stability=petr_stability.cli:main"]},
     classifiers=[

@@ -21,7 +21,7 @@ build_mmengine() {
   rm -rf "$env"; "$PY" -m venv "$env"
   pip_in "$env" 'torch==2.13.0'
   pip_in "$env" 'setuptools<81' wheel
-  pip_in "$env" 'mmengine==0.10.7' pytest 'ruff==0.8.6' matplotlib 'numpy<2.3'
+  pip_in "$env" 'mmengine==0.10.7' pytest 'ruff==0.8.6' 'vermin==1.9.2' matplotlib 'numpy<2.3'
   MMCV_WITH_OPS=0 pip_in "$env" --no-build-isolation 'mmcv-lite==2.1.0'
   pip_in "$env" --no-deps 'mmdet==3.3.0' 'mmdet3d==1.4.0'
   pip_in "$env" --no-deps --no-build-isolation -e .

@@ -22,19 +22,19 @@ driver call                   what happens, in order
 After every incident (and on giving up) rank 0 writes ``<work_dir>/nan_guard_patched_config.py``.
 """
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
+from ..configfix import ConfigFix, check_runner_config, log_findings, write_patched_config
 from ..core.config import GuardConfig
 from ..core.diagnosis.rng import capture_rng
 from ..core.distributed import get_rank, get_world_size, is_distributed
 from ..core.errors import NanGuardError, UnsafeCheckpointError
 from ..core.guard import NanGuard
-from ..core.port import ClipSetting, GuardIO, RunConfig
+from ..core.port import GuardIO, RunConfig
+from ..core.records import INCIDENT_EVENTS, Event
 from ..core.recovery.restore import checkpoint_finite
-from ..tools.patch_config import write_patched_config
-from ..tools.preflight import check_runner_config, log_findings
 
-__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "write_config_fix"]
+__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "config_fix", "write_config_fix"]
 
 #: File the driver writes into the work dir after an incident, so that the next run starts stable.
 PATCHED_CONFIG_FILE = "nan_guard_patched_config.py"
@@ -143,8 +143,10 @@ class GuardDriver:
             raise
 
     def _after_incident(self, record: Dict[str, Any]) -> None:
+        if record.get("event") not in INCIDENT_EVENTS + (Event.GAVE_UP,):
+            return
         if self.config.write_patched_config and get_rank() == 0 and self.io.work_dir:
-            write_config_fix(self.io.run_config(), self.io.work_dir, self.io.clip_settings(), self.io.log)
+            write_config_fix(self.io.run_config(), self.io.work_dir, config_fix(self.guard.summary()), self.io.log)
 
     def _log_preflight(self) -> None:
         # The same checks as `petr-stability check`, on the run's effective config and its real world size;
@@ -176,14 +178,22 @@ class DrivenHook:
         return self.driver.guard
 
 
-def write_config_fix(run_config: Optional[RunConfig], work_dir: str, clips: List[ClipSetting],
+def config_fix(summary: Dict[str, Any]) -> ConfigFix:
+    """What a config must change to start where the live run stands: the settings the guard put in force
+    (:meth:`~petr_stability.core.guard.NanGuard.summary`), nothing else."""
+    return ConfigFix(max_norm=summary["max_norm"], zero_dropout=summary["dropout_zeroed"],
+                     fp32_modules=dict(summary["fp32_modules"]), lr_factor=summary["lr_factor"],
+                     dynamic_loss_scale=summary["scale_made_dynamic"], quarantine=list(summary["quarantined"]))
+
+
+def write_config_fix(run_config: Optional[RunConfig], work_dir: str, fix: ConfigFix,
                      log: Callable[..., None]) -> Optional[str]:
-    """Writes ``<work_dir>/nan_guard_patched_config.py``: the run's effective config with the remedies applied.
+    """Writes ``<work_dir>/nan_guard_patched_config.py``: the run's effective config with ``fix`` applied.
 
     Args:
         run_config: the run's effective config and the file it came from, or None.
         work_dir: the run's work dir.
-        clips: the live clip settings; their tightest finite ``max_norm`` goes into the file.
+        fix: the settings the guard changed (:func:`config_fix`).
         log: the adapter's logger.
 
     Returns:
@@ -193,19 +203,14 @@ def write_config_fix(run_config: Optional[RunConfig], work_dir: str, clips: List
     if run_config is None or run_config.config is None:
         log("NanGuard: the runner holds no config; skipped writing a patched config", "warning")
         return None
-    norms = [c.max_norm for c in clips if c.kind == "norm" and c.max_norm is not None and c.max_norm < float("inf")]
-    max_norm = min(norms) if norms else 1.0
     out = os.path.join(work_dir, PATCHED_CONFIG_FILE)
     original = run_config.filename if run_config.filename and os.path.isfile(run_config.filename) else None
     try:
-        result = write_patched_config(run_config.config, out, max_norm=max_norm, original_path=original)
+        result = write_patched_config(run_config.config, out, fix, original_path=original, base_dir=work_dir)
     except Exception as exc:  # a config the patcher cannot read must not end a recovered run
         log(f"NanGuard: could not write a patched config ({type(exc).__name__}: {exc})", "warning")
         return None
-    kind = "a child config of " + original if result.kind == "child" else "a flattened, self-contained config"
-    log(f"NanGuard: wrote {out}, {kind} with the known manual fix (transformer dropout 0, max_norm {max_norm:g}; "
-        f"{len(result.changes)} change(s)): start the next run from it to keep the fix (docs/troubleshooting.md)")
+    log(f"NanGuard: {result.summary}: start the next run from it to keep these settings (docs/troubleshooting.md)")
     for note in result.notes:
         log(f"NanGuard:   note: {note}", "warning")
     return out
-

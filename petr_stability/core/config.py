@@ -3,7 +3,7 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence
 
-from .validate import check_bool, check_choice, check_int, check_list, check_names, check_number
+from .validate import check_bool, check_choice, check_indices, check_int, check_list, check_names, check_number
 from .watch.detector import DetectorConfig
 
 __all__ = ["GuardConfig", "REMEDIES"]
@@ -71,6 +71,10 @@ class GuardConfig:
         snapshot_copies: ``'rank'`` (every rank keeps its own snapshots) or ``'node'`` (one copy per node,
             on the node's lowest rank, sent to the others over gloo on restore; for replicated DDP state only,
             not sharded optimizers). Defaults to ``'rank'``.
+        fp32_modules: modules (names as ``model.named_modules()`` gives them) run in fp32 from the start: what an
+            earlier run's forward-overflow remedy learnt, as its patched config carries it. Defaults to ().
+        quarantine: dataset indices never served, from the start (an earlier run's quarantine, as its patched config
+            carries it); they do not use up this run's ``quarantine_fraction``. Defaults to ().
     """
 
     patience: int = 3
@@ -100,6 +104,8 @@ class GuardConfig:
     spike_warmup: int = 25
     adaptive_clip: bool = False
     snapshot_copies: str = "rank"
+    fp32_modules: Sequence[str] = ()
+    quarantine: Sequence[int] = ()
     detector: DetectorConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +142,8 @@ class GuardConfig:
         check_number("spike_z", self.spike_z)
         check_int("spike_warmup", self.spike_warmup, 2)
         check_bool("adaptive_clip", self.adaptive_clip)
+        self.fp32_modules = check_names("fp32_modules", self.fp32_modules)
+        self.quarantine = check_indices("quarantine", self.quarantine)
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], owner: str = "NanGuardHook") -> "GuardConfig":

@@ -8,6 +8,7 @@ import inspect
 from typing import Any, ContextManager, Iterator, Optional, Tuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "HAS_FOREACH_NORM",
     "HAS_AUTOCAST",
     "HAS_FORWARD_PRE_HOOK_KWARGS",
+    "HAS_CHECKPOINT_USE_REENTRANT",
     "WEIGHTS_ONLY_IS_DEFAULT",
     "make_grad_scaler",
     "autocast",
@@ -53,6 +55,9 @@ HAS_AUTOCAST = hasattr(torch, "autocast")
 
 #: ``Module.register_forward_pre_hook(hook, with_kwargs=True)``: the hook sees keyword arguments (torch >= 2.0).
 HAS_FORWARD_PRE_HOOK_KWARGS = "with_kwargs" in inspect.signature(nn.Module.register_forward_pre_hook).parameters
+
+#: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=...)`` is accepted (torch >= 1.11).
+HAS_CHECKPOINT_USE_REENTRANT = "use_reentrant" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
 
 
 def make_grad_scaler(device: str = "cuda", **kwargs: Any) -> Any:

@@ -123,13 +123,18 @@ class NanGuard:
         self.spikes.load_state_dict(state.get("spikes", {}))
 
     def summary(self) -> Dict[str, Any]:
-        """What the guard did so far in this run, for reports and the demo (JSON-ready; the incident log has the
-        details): counts, the learning-rate factor in force, the fp32 modules, the quarantined dataset indices and
-        the ladder's rungs that held."""
-        skip = self.policy.skip
+        """What the guard did so far in this run, for reports, the demo and the patched config (JSON-ready; the
+        incident log has the details): counts, the settings in force (``max_norm`` the known manual fix set or None,
+        ``dropout_zeroed``, ``lr_factor``, ``scale_made_dynamic``, ``fp32_modules`` as name -> class, the
+        ``quarantined`` dataset indices) and the ladder's rungs that held."""
+        skip, model, clip = self.policy.skip, self.io.model(), self.policy.clip_state
         return {"recoveries": self.recoveries, "stalls": self.stalls, "iterations_lost": self.chain.iterations_lost,
-                "skipped_steps": self.skipped_steps, "lr_factor": self.policy.lr_factor,
-                "fp32_modules": list(self.policy.fp32), "quarantined": [] if skip is None else list(skip),
+                "skipped_steps": self.skipped_steps, "max_norm": min(clip.values()) if clip else None,
+                "dropout_zeroed": self.policy.dropout_zeroed, "lr_factor": self.policy.lr_factor,
+                "scale_made_dynamic": self.scale_made_dynamic,
+                "fp32_modules": {m: type(model if m == "(model)" else model.get_submodule(m)).__name__
+                                 for m in self.policy.fp32},
+                "quarantined": [] if skip is None else list(skip),
                 "held": [i["held"]["rung"] for i in self.policy.history.incidents
                          if (i.get("held") or {}).get("rung")]}
 

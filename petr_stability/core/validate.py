@@ -2,7 +2,7 @@
 import math
 from typing import Any, List, Sequence
 
-__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_list", "check_names"]
+__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_list", "check_names", "check_indices"]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -53,3 +53,13 @@ def check_names(name: str, value: Any, allowed: Sequence[str] = ()) -> List[str]
         if allowed and item not in allowed:
             raise ValueError(f"{name}: unknown entry {item!r}; choose from {list(allowed)}")
     return list(value)
+
+
+def check_indices(name: str, value: Any) -> List[int]:
+    """A list or tuple of dataset indices (ints >= 0, not bools); refused naming the bad element otherwise."""
+    items = check_list(name, value)
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ValueError(f"{name} must be a list of dataset indices (integers >= 0), got the element {item!r} "
+                             f"in {value!r}")
+    return sorted(set(items))

@@ -8,7 +8,7 @@ from mmengine.model import BaseModel
 from mmengine.optim import AmpOptimWrapper, OptimWrapper
 from mmengine.registry import MODELS, OPTIM_WRAPPERS
 
-from ..core.flags import make_grad_scaler
+from ..core.flags import autocast, make_grad_scaler
 from .model import build_petr_like
 
 __all__ = ["CPUAmpOptimWrapper", "PETRLikeModel", "register"]
@@ -37,7 +37,7 @@ class CPUAmpOptimWrapper(AmpOptimWrapper):
 
     @contextlib.contextmanager
     def optim_context(self, model: torch.nn.Module) -> Iterator[None]:
-        with OptimWrapper.optim_context(self, model), torch.autocast("cpu", dtype=torch.float16):
+        with OptimWrapper.optim_context(self, model), autocast("cpu", torch.float16):
             yield
 
 

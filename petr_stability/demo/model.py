@@ -16,6 +16,8 @@ from mmcv.cnn.bricks.drop import DropPath
 from mmcv.cnn.bricks.transformer import BaseTransformerLayer, build_dropout, build_transformer_layer
 from torch import Tensor, nn
 
+from ..core.flags import HAS_CHECKPOINT_USE_REENTRANT
+
 try:  # MMCV 1.x
     from mmcv.cnn.bricks.registry import ATTENTION, TRANSFORMER_LAYER
 except ImportError:  # MMCV 2.x
@@ -86,8 +88,10 @@ class PETRLikeDecoderLayer(BaseTransformerLayer):
 
     def forward(self, query: Tensor, key: Opt = None, value: Opt = None, query_pos: Opt = None, key_pos: Opt = None,
                 **kwargs: Any) -> Tensor:
-        if self.use_checkpoint and self.training:
+        if self.use_checkpoint and self.training and HAS_CHECKPOINT_USE_REENTRANT:
             return cp.checkpoint(self._forward, query, key, value, query_pos, key_pos, use_reentrant=False)
+        if self.use_checkpoint and self.training:  # torch < 1.11: the reentrant form is the only one
+            return cp.checkpoint(self._forward, query, key, value, query_pos, key_pos)
         return self._forward(query, key, value, query_pos, key_pos)
 
 

@@ -330,6 +330,8 @@ def _eval_loss(model: torch.nn.Module, heldout: list) -> Optional[float]:
     """
     import torch.nn.functional as F
 
+    from petr_stability.core.flags import autocast
+
     net = model.net if hasattr(model, "net") else model
     head = net.pts_bbox_head
     seen: List[torch.Tensor] = []
@@ -341,7 +343,7 @@ def _eval_loss(model: torch.nn.Module, heldout: list) -> Optional[float]:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.float16):
+        with torch.no_grad(), autocast(device.type, torch.float16):
             head(net.img_backbone(inputs))
             out = seen[-1]
             cls = head.cls_branch(out).transpose(0, 1).float()

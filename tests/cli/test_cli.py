@@ -114,7 +114,7 @@ def test_every_command_and_flag_in_the_doc_exists_and_every_one_is_documented():
 
 
 def test_the_doc_names_the_demo_dirs_the_demo_writes():
-    from petr_stability.tools import demo
+    from petr_stability.demo import run as demo
 
     text = " ".join(_doc_text().split("## `demo`")[1].split("## ")[0].split())
     assert "WORK_DIR/<scenario>/<run>/" in text

@@ -49,16 +49,12 @@ NEWER_METHODS = {
 NEWER_KEYWORDS = {
     "weights_only": "HAS_WEIGHTS_ONLY",  # torch.load, 1.13
     "with_kwargs": "HAS_FORWARD_PRE_HOOK_KWARGS",  # register_forward_pre_hook, 2.0
-    "use_reentrant": None,  # torch.utils.checkpoint, 1.11
+    "use_reentrant": "HAS_CHECKPOINT_USE_REENTRANT",  # torch.utils.checkpoint, 1.11
 }
 
 #: Ungated uses whose call-site edits are handed to the files' owners (docs/versions.md, "Call sites"): remove an
 #: entry once its edit is in. A use not listed here fails the test.
-PENDING = {
-    ("core/causes.py", "torch.autocast"),
-    ("core/diagnose.py", "with_kwargs"),
-    ("tools/demo.py", "torch.autocast"),
-}
+PENDING = set()
 
 
 def _chain(node):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import petr_stability.core.safe_load as safe_load_module
-from petr_stability.adapters.mmengine_checkpoints import MMENGINE_CHECKPOINT_GLOBALS
+from petr_stability.adapters.mmengine_runner.checkpoints import MMENGINE_CHECKPOINT_GLOBALS
 from petr_stability.core.errors import UnsafeCheckpointError
 from petr_stability.core.safe_load import restricted_pickle_module, safe_load
 

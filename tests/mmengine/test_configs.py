@@ -7,7 +7,7 @@ from mmengine.config import Config
 from mmengine.registry import HOOKS
 
 import petr_stability
-from petr_stability.tools.patch_config import load_config, patch_config_dict
+from petr_stability.configfix import ConfigFix, apply_fix, load_config
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "*.py")))
 
@@ -28,7 +28,7 @@ def test_config_loads_and_builds_the_guard(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_has_the_seed_failure_settings_that_the_patcher_fixes(path):
-    changes, _, _ = patch_config_dict(load_config(path))
+    changes, _, _ = apply_fix(load_config(path), ConfigFix.known_manual_fix())
     paths = {c.path for c in changes}
     assert any("max_norm" in p for p in paths)
     assert sum("attn_cfgs" in p for p in paths) >= 2 and any("ffn_dropout" in p for p in paths)

@@ -36,7 +36,7 @@ class NanGuardHook(DrivenHook, Hook):
         self.driver.bind(self.io)
         self.driver.load_state(self.io.resumed_state())
         if get_rank() == 0:
-            self.io.watch_saves()
+            self.io.saves.install()
         self.driver.start()
 
     def before_train_iter(self, runner: Any) -> None:
@@ -48,4 +48,4 @@ class NanGuardHook(DrivenHook, Hook):
 
     def after_train_epoch(self, runner: Any) -> None:
         # The epoch's checkpoint was written before this hook ran: one agreed health check per epoch.
-        self.driver.after_epoch(not self.io.poisoned_saves and state_finite(self.io.model(), self.io.optimizers()))
+        self.driver.after_epoch(not self.io.saves.poisoned and state_finite(self.io.model(), self.io.optimizers()))

@@ -22,18 +22,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from mmcv.parallel import is_module_wrapper
-from mmcv.runner import CheckpointHook, IterBasedRunner, OptimizerHook
-from mmcv.runner import save_checkpoint as mmcv_save_checkpoint
+from mmcv.runner import IterBasedRunner, OptimizerHook
 
-from ...core.distributed import get_rank
 from ...core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
-from ...core.recovery.restore import checkpoint_finite
 from ...core.recovery.snapshot import copy_to_host
 from ...core.remedies import Change
 from ...core.safe_load import safe_load
-from ...core.watch.health import state_finite
 from ...core.watch.probe import ClipProbe, observing_clip
 from ..driver import STATE_KEY
+from .saves import SaveWatch
 
 __all__ = ["MMCV1IO", "completed_iters"]
 
@@ -50,12 +47,10 @@ class MMCV1IO(GuardIO):
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.opt_hook: Optional[Any] = next((h for h in runner.hooks if isinstance(h, OptimizerHook)), None)
-        self.ckpt_hooks = [h for h in runner.hooks if isinstance(h, CheckpointHook)]
         self.work_dir = runner.work_dir
         self.probe: Optional[ClipProbe] = None
-        #: Checkpoint files written (rank 0) from a non-finite state and not yet repaired.
-        self.poisoned_saves: List[str] = []
-        self._suspended_keep: List[Tuple[Any, int]] = []
+        #: Checkpoint saves of a non-finite state, noticed as they happen and repaired after the recovery.
+        self.saves = SaveWatch(self)
         self._logged_norms = 0
 
     # -- objects
@@ -188,7 +183,7 @@ class MMCV1IO(GuardIO):
         return forward
 
     def checkpoint_files(self) -> List[str]:
-        dirs = {self.work_dir} | {h.out_dir for h in self.ckpt_hooks if getattr(h, "out_dir", None)}
+        dirs = {self.work_dir} | {h.out_dir for h in self.saves.hooks if getattr(h, "out_dir", None)}
         paths = [p for d in dirs if d for p in glob.glob(os.path.join(d, "*.pth")) if not os.path.islink(p)]
         return sorted(set(paths), key=os.path.getmtime, reverse=True)
 
@@ -216,97 +211,24 @@ class MMCV1IO(GuardIO):
 
     # -- checkpoints written by CheckpointHook (rank 0 only: its _save_checkpoint is master_only)
     def health_check_due(self) -> bool:
-        return bool(self.poisoned_saves)
-
-    def watch_saves(self) -> None:
-        """Wraps ``runner.save_checkpoint`` to notice a save of a non-finite state as it is written."""
-        save = self.runner.save_checkpoint
-        if getattr(save, "_nan_guard", False):
-            return
-
-        def checked_save(out_dir: str, *args: Any, **kwargs: Any) -> Any:
-            finite = state_finite(self.model(), self.optimizers())
-            before = set(glob.glob(os.path.join(out_dir, "*.pth")))
-            result = save(out_dir, *args, **kwargs)
-            if not finite:
-                written = sorted(p for p in set(glob.glob(os.path.join(out_dir, "*.pth"))) - before
-                                 if not os.path.islink(p)) or self._newest(out_dir)
-                self.poisoned_saves.extend(p for p in written if p not in self.poisoned_saves)
-                # CheckpointHook deletes older files right after this returns: not while the newest is poisoned.
-                for hook in self.ckpt_hooks:
-                    if hook.max_keep_ckpts > 0:
-                        self._suspended_keep.append((hook, hook.max_keep_ckpts))
-                        hook.max_keep_ckpts = -1
-                self.log(f"NanGuard: checkpoint {written} was saved from a non-finite state; older checkpoints "
-                         "are kept and it will be rewritten from the restored state", "warning")
-            return result
-
-        checked_save._nan_guard = True  # type: ignore[attr-defined]
-        self.runner.save_checkpoint = checked_save
-
-    @staticmethod
-    def _newest(out_dir: str) -> List[str]:
-        files = [p for p in glob.glob(os.path.join(out_dir, "*.pth")) if not os.path.islink(p)]
-        return [max(files, key=os.path.getmtime)] if files else []
+        return bool(self.saves.poisoned)
 
     def after_step(self) -> None:
-        """Gives ``max_keep_ckpts`` back to the checkpoint hooks after a suspended deletion."""
-        for hook, keep in self._suspended_keep:
-            hook.max_keep_ckpts = keep
-        self._suspended_keep = []
+        self.saves.release()
 
     def after_recovery(self, state: Dict[str, Any], inside: bool) -> None:
-        """Rewrites every poisoned checkpoint from the live (restored) state, atomically.
-
-        Also keeps the timing hooks' arithmetic valid: ``TextLoggerHook`` divides by ``iter - start_iter + 1``,
-        which a rollback to the run's start state (counter -1 until the loop's increment) would make 0.
-        """
+        """Rewrites every poisoned checkpoint from the live (restored) state, and keeps the timing hooks' arithmetic
+        valid: ``TextLoggerHook`` divides by ``iter - start_iter + 1``, which a rollback to the run's start state
+        (counter -1 until the loop's increment) would make 0."""
         for hook in self.runner.hooks:
             start = getattr(hook, "start_iter", None)
             if isinstance(start, int) and start > self.runner.iter:
                 hook.start_iter = self.runner.iter
         at_epoch_end = not inside
-        meta_base = dict(self.runner.meta or {})
-        for path in self.poisoned_saves:
-            meta = dict(meta_base)
-            meta.update(epoch=self.runner.epoch + 1, iter=self.runner.iter)
-            meta[STATE_KEY] = dict(state, **{_ITER_MARK: self.runner.iter - (1 if at_epoch_end else 0)})
-            tmp = path + ".nan_guard.tmp"
-            optimizer = self.runner.optimizer
-            mmcv_save_checkpoint(self.model(), tmp, optimizer=optimizer, meta=meta)
-            os.replace(tmp, path)
-            done = self.runner.iter + (0 if at_epoch_end else 1)
-            self.log(f"NanGuard: rewrote {path} from the restored state (iter {done})", "warning")
-        self.poisoned_saves = []
+        self.saves.rewrite(dict(state, **{_ITER_MARK: self.runner.iter - (1 if at_epoch_end else 0)}), at_epoch_end)
 
     def before_give_up(self) -> None:
-        """On giving up: renames poisoned files and points ``latest.pth`` / ``last_ckpt`` at a finite one."""
-        if get_rank() != 0:
-            return  # rank 0 wrote the checkpoints; the others must not race it on the links (shared FS)
-        for path in self.poisoned_saves:
-            if os.path.exists(path):
-                os.replace(path, path + ".nonfinite")
-                self.log(f"NanGuard: {path} holds a non-finite state; renamed to {path}.nonfinite", "error")
-        self.poisoned_saves = []
-        good = None
-        for path in self.checkpoint_files():
-            try:
-                if checkpoint_finite(safe_load(path, extra_globals=())):
-                    good = path
-                    break
-            except Exception:  # a foreign or truncated file is simply not a candidate
-                continue
-        for hook in self.ckpt_hooks:
-            link = os.path.join(hook.out_dir or self.work_dir, "latest.pth")
-            if os.path.islink(link) or os.path.exists(link):
-                os.remove(link)
-            if good is not None and os.path.dirname(good) == os.path.dirname(link):
-                os.symlink(os.path.basename(good), link)
-        hook_msgs = (self.runner.meta or {}).get("hook_msgs", {})
-        if good is not None:
-            hook_msgs["last_ckpt"] = good
-        else:
-            hook_msgs.pop("last_ckpt", None)
+        self.saves.leave_finite()
 
     # -- output
     def store_state(self, state: Dict[str, Any]) -> None:

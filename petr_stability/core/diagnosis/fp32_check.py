@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from ..flags import HAS_FORWARD_PRE_HOOK_KWARGS
 from ..remedies.fp32 import force_fp32, release_fp32
 from .rng import capture_rng, rank_local, restore_rng
 from .values import FP16_MAX, max_abs, num
@@ -50,9 +51,9 @@ def _record_path(model: nn.Module, names: Dict[nn.Module, str], forward: Callabl
             raise _Found()
 
     for module in names:
-        try:
+        if HAS_FORWARD_PRE_HOOK_KWARGS:
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        except TypeError:  # torch < 2.0: keyword arguments are not seen (such a call is re-run without them)
+        else:  # torch < 2.0: keyword arguments are not seen (such a call is re-run without them)
             handles.append(module.register_forward_pre_hook(lambda m, a: pre(m, a, None)))
         handles.append(module.register_forward_hook(post))
     try:

@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..flags import HAS_FORWARD_PRE_HOOK_KWARGS
 from .values import FP16_MAX, num, tensors
 
 __all__ = ["EXPLAIN", "Check", "Recorder", "largest", "nonfinite_params"]
@@ -51,9 +52,9 @@ class Recorder:
 
     def install(self) -> None:
         for module in self.names:
-            try:
+            if HAS_FORWARD_PRE_HOOK_KWARGS:
                 handle = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
-            except TypeError:  # torch < 2.0: no keyword arguments
+            else:  # torch < 2.0: keyword arguments are not seen
                 handle = module.register_forward_pre_hook(lambda m, args: self._pre_hook(m, args, None))
             self.handles.append(handle)
             self.handles.append(module.register_forward_hook(self._post_hook))

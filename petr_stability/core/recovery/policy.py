@@ -156,6 +156,10 @@ class CausePolicy:
                 io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
         for change in apply_fp32(io.model(), self.fp32):
             io.log(f"NanGuard: resumed remedy: {change.target} runs in fp32")
+        configured = [m for m in self.config.fp32_modules if m not in self.fp32]
+        for change in apply_fp32(io.model(), configured):
+            io.log(f"NanGuard: {change.target} runs in fp32 (fp32_modules)")
+        self.fp32.extend(configured)
 
     def attach_data(self, io: GuardIO) -> bool:
         """Puts the quarantine sampler into the training loader once it exists; True once done (or impossible).
@@ -169,11 +173,16 @@ class CausePolicy:
         loader = io.train_loader()
         if loader is None:
             return False
-        skip = SkipList(io.dataset_size(), max_fraction=self.config.quarantine_fraction)
+        pinned = list(self.config.quarantine)
+        skip = SkipList(io.dataset_size(), max_fraction=self.config.quarantine_fraction, allowance=len(pinned))
         if self.skip is not None:
             skip.load_state_dict(self.skip.state_dict())
             if len(skip):
                 io.log(f"NanGuard: resumed quarantine of {len(skip)} sample(s): dataset indices {list(skip)}")
+        if pinned:
+            skip.add(pinned, {"from": "quarantine"})
+            io.log(f"NanGuard: {len(pinned)} sample(s) quarantined from the start (quarantine): dataset indices "
+                   f"{pinned}")
         self.skip = skip
         install_quarantine(loader, self.skip)
         return True

@@ -1,26 +1,16 @@
 """The fp32 remedy: a module's forward run with autocast off and half inputs cast up, from now on."""
-import contextlib
-from typing import Any, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..flags import autocast_off
 from .change import Change
 
-__all__ = ["autocast_off", "force_fp32", "release_fp32", "is_fp32", "fp32_modules", "apply_fp32"]
+__all__ = ["force_fp32", "release_fp32", "is_fp32", "fp32_modules", "apply_fp32"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _MARK = "_petr_stability_fp32"
-
-
-@contextlib.contextmanager
-def autocast_off() -> Iterator[None]:
-    # Both device types: CPU and CUDA autocast are separate switches. torch.autocast exists from torch 1.10 on;
-    # disabling needs no dtype support, so no version gate.
-    with contextlib.ExitStack() as stack:
-        for device in ("cuda", "cpu"):
-            stack.enter_context(torch.autocast(device, enabled=False))
-        yield
 
 
 def _to_fp32(obj: Any) -> Any:

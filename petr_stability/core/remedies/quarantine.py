@@ -23,9 +23,12 @@ class SkipList:
         max_fraction: at most this fraction of the dataset can be quarantined. Defaults to 0.001 (28 of
             nuScenes' 28130 training samples).
         min_count: the bound is at least this many samples, however small the dataset. Defaults to 1.
+        allowance: extra room on top of the bound, for samples a config quarantines from the start (what an earlier
+            run learnt: they must not use up this run's own bound). Defaults to 0.
     """
 
-    def __init__(self, dataset_size: int, max_fraction: float = 0.001, min_count: int = 1) -> None:
+    def __init__(self, dataset_size: int, max_fraction: float = 0.001, min_count: int = 1,
+                 allowance: int = 0) -> None:
         if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 0:
             raise ValueError(f"dataset_size must be an integer >= 0, got {dataset_size!r}")
         if (isinstance(max_fraction, bool) or not isinstance(max_fraction, (int, float))
@@ -36,12 +39,13 @@ class SkipList:
         self.dataset_size = dataset_size
         self.max_fraction = float(max_fraction)
         self.min_count = min_count
+        self.allowance = max(0, int(allowance))
         self._meta: Dict[int, Dict[str, Any]] = {}
 
     @property
     def capacity(self) -> int:
-        """How many indices the list may hold: ``max(min_count, floor(max_fraction * dataset_size))``."""
-        return max(self.min_count, int(math.floor(self.max_fraction * self.dataset_size)))
+        """How many indices the list may hold: ``allowance + max(min_count, floor(max_fraction * dataset_size))``."""
+        return self.allowance + max(self.min_count, int(math.floor(self.max_fraction * self.dataset_size)))
 
     @property
     def full(self) -> bool:
