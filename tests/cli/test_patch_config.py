@@ -179,6 +179,9 @@ def test_errors_name_the_bad_value(tmp_path, capsys):
     noopt.write_text("model = dict(type='X')\n")
     assert main(["patch-config", str(noopt), "-o", str(tmp_path / "o.py")]) == 2
     assert "optim_wrapper" in capsys.readouterr().err
+    noopt.write_text("model = dict(type='X')\ntrain_dataloader = dict(batch_size=1)\n")  # MMEngine, no optimizer
+    assert main(["patch-config", str(noopt), "-o", str(tmp_path / "o.py")]) == 2
+    assert "nothing to clip" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0 or None, got 0"):
         patch_config_dict(load_config(os.path.join(DATA, "mmcv1_petr.py")), max_norm=0)
     assert main(["patch-config", os.path.join(DATA, "mmcv1_petr.py"), "-o", str(tmp_path / "o.py"),
