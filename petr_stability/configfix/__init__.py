@@ -1,11 +1,4 @@
-"""The config library under ``petr-stability patch-config`` / ``check`` and the hook's patched config.
-
-Reading (:mod:`.load`, through the framework's own ``Config``), where each setting lives per runner family
-(:mod:`.keys`), which file of a ``_base_`` tree set a value (:mod:`.origin`), what a run changed (:mod:`.fix`),
-applying it (:mod:`.patch`), child configs (:mod:`.child`), writing (:mod:`.write`) and the pre-flight checks
-(:mod:`.preflight`). Needs neither torch nor the rest of ``petr_stability``; reading a file or text needs mmengine
-or MMCV 1.x, a dict needs neither.
-"""
+"""The config library under ``patch-config``, ``check`` and the hook's patched config; needs no torch, no core."""
 from .child import child_config, child_overrides
 from .fix import KNOWN_MANUAL_FIX, ConfigFix
 from .keys import FAMILIES, config_family

@@ -167,7 +167,7 @@ def load_config_text(text: str, base_dir: Optional[str] = None, loader: Optional
             f.write(text)
         return load_config(path, loader)
     except ValueError as exc:
-        raise ValueError(str(exc).replace(path, "config text")) from exc
+        raise ValueError(str(exc).replace(f"config {path}", "config text").replace(path, "config text")) from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

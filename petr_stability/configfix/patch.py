@@ -158,8 +158,9 @@ def _tighten(clip: Any, path: str, max_norm: float, changes: List[ConfigChange],
 
 def _apply_clip(cfg: Dict[str, Any], family: Optional[str], max_norm: float, changes: List[ConfigChange],
                 notes: List[str]) -> None:
-    if family == "mmengine":
-        for path, wrapper in optim_wrappers(cfg):
+    wrappers = optim_wrappers(cfg)
+    if family == "mmengine" and wrappers:
+        for path, wrapper in wrappers:
             wrapper["clip_grad"] = _tighten(wrapper.get("clip_grad"), f"{path}.clip_grad", max_norm, changes, notes)
         return
     if family != "mmcv1":

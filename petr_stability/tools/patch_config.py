@@ -4,9 +4,9 @@ from typing import Any, Dict, List, Tuple
 
 from ..configfix import ConfigChange, ConfigFix, apply_fix, format_changes, load_config, write_patched_config
 
-# write_patched_config / patch_config_dict: for adapters/driver.py and tests/mmengine until they import
+# load_config / write_patched_config / patch_config_dict: for adapters/driver.py and tests/mmengine until they import
 # petr_stability.configfix.
-__all__ = ["main", "write_patched_config", "patch_config_dict"]
+__all__ = ["main", "load_config", "write_patched_config", "patch_config_dict"]
 
 #: ``CONFIG.bak``, then ``CONFIG.bak.1``, ``.2``, ...: an --in-place run never overwrites an earlier backup.
 _MAX_BACKUPS = 1000

@@ -1,5 +1,4 @@
 """``petr-stability check``: the argparse entry point of the pre-flight check (:mod:`petr_stability.configfix`)."""
-import os
 from typing import Any
 
 from ..configfix.preflight import check_file, check_runner_config, format_findings, log_findings
@@ -12,12 +11,9 @@ def main(args: Any) -> int:
     """Entry point of ``petr-stability check`` (``args`` from :mod:`petr_stability.cli`)."""
     try:
         findings = check_file(args.config, world_size=args.gpus, batch_per_gpu=args.batch_per_gpu)
-    except (FileNotFoundError, ImportError):
-        raise
-    except Exception as exc:  # a config is Python: any error while executing it is a bad input
-        if isinstance(exc, (ValueError, TypeError)) and (os.path.basename(args.config) in str(exc) or
-                                                          "must be an integer" in str(exc)):
-            raise
+    except (OSError, ImportError, ValueError, TypeError):
+        raise  # each names the file or the bad value already (load_config wraps what a config's own code raises)
+    except Exception as exc:  # a config is Python: anything else while reading it is a bad input too
         raise ValueError(f"{args.config} could not be loaded: {type(exc).__name__}: {exc}") from exc
     print(format_findings(findings))
     if args.strict and any(f.severity == "warning" for f in findings):

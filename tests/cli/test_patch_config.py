@@ -179,6 +179,9 @@ def test_errors_name_the_bad_value(tmp_path, capsys):
     noopt.write_text("model = dict(type='X')\n")
     assert main(["patch-config", str(noopt), "-o", str(tmp_path / "o.py")]) == 2
     assert "optim_wrapper" in capsys.readouterr().err
+    noopt.write_text("model = dict(type='X')\ntrain_dataloader = dict(batch_size=1)\n")  # MMEngine, no optimizer
+    assert main(["patch-config", str(noopt), "-o", str(tmp_path / "o.py")]) == 2
+    assert "nothing to clip" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_norm must be a finite number > 0 or None, got 0"):
         patch_config_dict(load_config(os.path.join(DATA, "mmcv1_petr.py")), max_norm=0)
     assert main(["patch-config", os.path.join(DATA, "mmcv1_petr.py"), "-o", str(tmp_path / "o.py"),
@@ -442,3 +445,250 @@ def test_runner_config_objects_are_accepted(tmp_path):
     loaded = load_config(str(tmp_path / "p.py"))
     assert loaded["data"]["samples_per_gpu"] == 2
     assert loaded["custom_hooks"] == [dict(type="NanGuardHook")]
+
+
+# ------------------------------------------------------------------ the patched config is exactly the run's fix
+FLASH_MODULE = "pts_bbox_head.transformer.decoder.layers.0.attentions.1"
+PLAIN_MODULE = "img_neck.fpn_convs.0"
+_TL = "model.pts_bbox_head.transformer.decoder.transformerlayers"
+#: Per fixture: what each part of a fix must change (dotted leaf -> (old, new)), written out by hand.
+EXPECTED = {
+    "mmcv1_streampetr.py": {
+        "dropout": {f"{_TL}.attn_cfgs[0].dropout": (0.1, 0.0), f"{_TL}.attn_cfgs[1].dropout": (0.1, 0.0),
+                    f"{_TL}.ffn_dropout": (0.1, 0.0)},
+        "clip": {"optimizer_config.grad_clip.max_norm": (35, 1)},
+        "lr": {"optimizer.lr": (4e-4, 2e-4), "lr_config.min_lr": (4e-7, 2e-7)},
+        "loss_scale": {"optimizer_config.loss_scale": (512.0, "dynamic")},
+    },
+    "mmengine_flash.py": {
+        "dropout": {f"{_TL}.{key}": (0.1, 0.0) for key in (
+            "attn_cfgs[0].attn_drop", "attn_cfgs[0].dropout_layer.drop_prob", "attn_cfgs[1].attn_drop",
+            "attn_cfgs[1].dropout_layer.drop_prob", "ffn_cfgs.ffn_drop", "ffn_dropout")},
+        "clip": {"optim_wrapper.clip_grad.max_norm": (35, 1)},
+        "lr": {"optim_wrapper.optimizer.lr": (2e-4, 1e-4), "param_scheduler[1].eta_min": (2e-7, 1e-7)},
+        "loss_scale": {"optim_wrapper.loss_scale": (512.0, "dynamic")},
+    },
+}
+_COMMON = {
+    "flash": {f"{_TL}.attn_cfgs[1].type": ("PETRMultiheadFlashAttention", "PETRMultiheadAttention")},
+    "fp32_hook": {"custom_hooks[0].fp32_modules[0]": (None, PLAIN_MODULE)},
+    "quarantine": {"custom_hooks[0].quarantine[0]": (None, 3), "custom_hooks[0].quarantine[1]": (None, 7)},
+}
+#: The incident classes of issue 22, each as the ConfigFix the guard's changes make and the parts it touches.
+FIXES = {
+    "data": (ConfigFix(quarantine=[7, 3]), ["quarantine"]),
+    "forward_overflow_flash": (ConfigFix(fp32_modules={FLASH_MODULE: "PETRMultiheadFlashAttention"}), ["flash"]),
+    "forward_overflow_module": (ConfigFix(fp32_modules={PLAIN_MODULE: "ConvModule"}), ["fp32_hook"]),
+    "dynamics": (ConfigFix.known_manual_fix(1.0), ["dropout", "clip"]),
+    "dynamics_lr": (ConfigFix(max_norm=1.0, zero_dropout=True, lr_factor=0.5), ["dropout", "clip", "lr"]),
+    "stalled": (ConfigFix(dynamic_loss_scale=True), ["loss_scale"]),
+    "nothing": (ConfigFix(), []),
+}
+#: Words only a part of a fix may put into the header.
+_WORDS = {"dropout": "dropout", "clip": "max_norm", "lr": "lr", "loss_scale": "loss_scale", "quarantine": "quarantin",
+          "flash": "fp32", "fp32_hook": "fp32"}
+
+
+def _expected(name, parts):
+    out = {}
+    for part in parts:
+        out.update(EXPECTED[name].get(part) or _COMMON[part])
+    return out
+
+
+def _approx(diff):
+    return {k: tuple(round(v, 12) if isinstance(v, float) else v for v in pair) for k, pair in diff.items()}
+
+
+def _header(path):
+    return "\n".join(line for line in open(path).read().splitlines() if line.startswith("#"))
+
+
+@pytest.mark.parametrize("kind", ["child", "flat"])
+@pytest.mark.parametrize("fix_name", list(FIXES))
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_patched_config_differs_from_the_effective_one_by_exactly_the_fix(tmp_path, name, fix_name, kind):
+    fix, parts = FIXES[fix_name]
+    original = os.path.join(DATA, name)
+    effective = load_config(original)
+    effective["work_dir"] = "/tmp/work_dirs/run"  # a run's own override: in both, so never in the diff
+    out = str(tmp_path / "nan_guard_patched_config.py")
+    result = write_patched_config(effective, out, fix, original_path=original if kind == "child" else None)
+    assert result.kind == kind, result.notes
+    expected = _expected(name, parts)
+    assert {c.path for c in result.changes} <= {k.split("[", 1)[0] if k.startswith("custom_hooks") else k
+                                                for k in expected} | {"custom_hooks[0].quarantine",
+                                                                      "custom_hooks[0].fp32_modules"}
+    for loader in available_loaders():  # mmengine.Config and, where MMCV 1.x is installed, mmcv.Config
+        assert _approx(_diff(effective, load_config(out, loader))) == _approx(expected), loader
+    header = _header(out)
+    assert f"# Fix: {fix.describe()}; " in header
+    for path in expected:
+        assert path.split("[", 1)[0] in header if path.startswith("custom_hooks") else path in header
+    for part, word in _WORDS.items():
+        if part not in parts and not any(_WORDS[p] == word for p in parts):
+            assert word not in header.split("\n", 2)[2], (part, header)
+
+
+def test_the_fix_header_for_the_issues_data_incident(tmp_path):
+    """After a data incident the file quarantines the samples and says so; no dropout, no clip (issue 22)."""
+    out = tmp_path / "p.py"
+    result = write_patched_config(load_config(os.path.join(DATA, "mmcv1_streampetr.py")), str(out),
+                                  ConfigFix(quarantine=[3, 7]), original_path=os.path.join(DATA, "mmcv1_streampetr.py"))
+    header = _header(out)
+    assert "# Fix: 2 sample(s) quarantined; 1 value(s) changed:" in header
+    assert "#   custom_hooks[0].quarantine: None -> [3, 7]" in header
+    assert "known manual fix" not in header and "max_norm" not in header
+    assert result.summary == (f"wrote {out} (a child config of {os.path.join(DATA, 'mmcv1_streampetr.py')}): "
+                              "2 sample(s) quarantined; 1 value(s) changed")
+    loaded = load_config(str(out))
+    assert loaded["custom_hooks"] == [dict(type="NanGuardHook", snapshot_interval=200, quarantine=[3, 7])]
+
+
+def test_what_a_config_cannot_carry_is_a_note(tmp_path):
+    cfg = load_config(os.path.join(DATA, "mmcv1_petr.py"))  # no NanGuardHook entry, fp16 at a static 512
+    fix = ConfigFix(fp32_modules={PLAIN_MODULE: "ConvModule"}, quarantine=[1], lr_factor=0.5)
+    result = write_patched_config(cfg, str(tmp_path / "p.py"), fix)
+    assert [str(c) for c in result.changes] == ["optimizer.lr: 0.0002 -> 0.0001"]
+    notes = " ".join(result.notes)
+    assert "no NanGuardHook entry" in notes and "fp32_modules=['img_neck.fpn_convs.0']" in notes
+    assert "quarantine=[1]" in notes
+    cfg = load_config(os.path.join(DATA, "mmengine_petr.py"))  # AmpOptimWrapper(loss_scale='dynamic') already
+    result = write_patched_config(cfg, str(tmp_path / "q.py"), ConfigFix(dynamic_loss_scale=True))
+    assert result.changes == [] and any("no static fp16 loss scale" in n for n in result.notes)
+    assert "# Fix: dynamic loss scale; no value changed" in _header(tmp_path / "q.py")
+
+
+def test_fp32_modules_merge_into_the_hooks_own_list_and_scoped_flash_types_keep_their_scope():
+    cfg = load_config(os.path.join(DATA, "mmcv1_streampetr.py"))
+    cfg["custom_hooks"][0]["fp32_modules"] = ["zzz.already"]
+    layer = cfg["model"]["pts_bbox_head"]["transformer"]["decoder"]["transformerlayers"]
+    layer["attn_cfgs"][1]["type"] = "mmdet3d.PETRMultiheadFlashAttention"
+    changes, _, family = apply_fix(cfg, ConfigFix(fp32_modules={PLAIN_MODULE: "ConvModule",
+                                                               FLASH_MODULE: "PETRMultiheadFlashAttention"}))
+    assert family == "mmcv1"
+    assert layer["attn_cfgs"][1]["type"] == "mmdet3d.PETRMultiheadAttention"
+    assert cfg["custom_hooks"][0]["fp32_modules"] == [PLAIN_MODULE, "zzz.already"]
+    assert len(changes) == 2
+
+
+def test_the_lr_of_each_wrapper_and_only_lr_schedules_are_scaled():
+    cfg = dict(model=dict(type="PETR"),
+               optim_wrapper=dict(generator=dict(optimizer=dict(type="AdamW", lr=1e-3)),
+                                  discriminator=dict(optimizer=dict(type="AdamW", lr=2e-3))),
+               param_scheduler=dict(generator=[dict(type="OneCycleLR", eta_max=1e-2),
+                                               dict(type="CosineAnnealingParamScheduler", param_name="lr",
+                                                    eta_min=1e-5)],
+                                    discriminator=[dict(type="CosineAnnealingMomentum", eta_min=0.85),
+                                                   dict(type="CosineAnnealingLR", eta_min_ratio=1e-3)]))
+    changes, _, _ = apply_fix(cfg, ConfigFix(lr_factor=0.5))
+    assert _approx({c.path: (c.old, c.new) for c in changes}) == _approx({
+        "optim_wrapper.generator.optimizer.lr": (1e-3, 5e-4),
+        "optim_wrapper.discriminator.optimizer.lr": (2e-3, 1e-3),
+        "param_scheduler.generator[0].eta_max": (1e-2, 5e-3),
+        "param_scheduler.generator[1].eta_min": (1e-5, 5e-6)})
+    assert cfg["param_scheduler"]["discriminator"][0]["eta_min"] == 0.85  # momentum, not an lr
+
+
+def test_mmcv1_fp16_dict_gets_its_dynamic_scale_where_train_detector_reads_it():
+    base = dict(model=dict(type="Petr3D"), optimizer=dict(type="AdamW", lr=2e-4),
+                optimizer_config=dict(grad_clip=dict(max_norm=35)))
+    for fp16, key, old in [(dict(loss_scale=512.0), "fp16.loss_scale", 512.0), (dict(), "fp16.loss_scale", None)]:
+        cfg = copy.deepcopy(base)
+        cfg["fp16"] = fp16
+        changes, _, _ = apply_fix(cfg, ConfigFix(dynamic_loss_scale=True))
+        assert [(c.path, c.old, c.new) for c in changes] == [(key, old, "dynamic")]
+        assert cfg["fp16"]["loss_scale"] == "dynamic"
+    cfg = copy.deepcopy(base)
+    cfg["optimizer_config"]["type"] = "Fp16OptimizerHook"  # its default: a static 512
+    changes, _, _ = apply_fix(cfg, ConfigFix(dynamic_loss_scale=True))
+    assert [(c.path, c.old, c.new) for c in changes] == [("optimizer_config.loss_scale", None, "dynamic")]
+
+
+# ------------------------------------------------------------------ ConfigFix
+def test_config_fix_describes_exactly_what_it_holds():
+    assert ConfigFix().describe() == "no setting changed" and ConfigFix().is_empty
+    assert ConfigFix.known_manual_fix().describe() == "the known manual fix (transformer dropout 0, max_norm 1)"
+    assert ConfigFix.known_manual_fix(5).describe() == "the known manual fix (transformer dropout 0, max_norm 5)"
+    assert ConfigFix(max_norm=5.0).describe() == "max_norm 5"
+    assert ConfigFix(zero_dropout=True).describe() == "transformer dropout 0"
+    assert ConfigFix(fp32_modules={"pts_bbox_head.transformer": "PETRMultiheadFlashAttention"}).describe() == \
+        "fp32: pts_bbox_head.transformer (PETRMultiheadFlashAttention)"
+    full = ConfigFix(max_norm=0.5, zero_dropout=True, fp32_modules={"a.b": "C"}, lr_factor=0.25,
+                     dynamic_loss_scale=True, quarantine=[5, 2, 5])
+    assert full.describe() == ("the known manual fix (transformer dropout 0, max_norm 0.5); fp32: a.b (C); "
+                               "lr x 0.25; dynamic loss scale; 2 sample(s) quarantined")
+    assert full.quarantine == [2, 5] and not full.is_empty
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_norm=0), "max_norm must be a finite number > 0 or None, got 0"),
+    (dict(max_norm=float("inf")), "max_norm must be a finite number > 0 or None, got inf"),
+    (dict(lr_factor=0), "lr_factor must be a finite number > 0, got 0"),
+    (dict(lr_factor=True), "lr_factor must be a finite number > 0, got True"),
+    (dict(fp32_modules=["a"]), r"fp32_modules must map module names to class names, got \['a'\]"),
+    (dict(quarantine=[-1]), r"quarantine must be a list of dataset indices \(ints >= 0\), got \[-1\]"),
+])
+def test_config_fix_errors_name_the_bad_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ConfigFix(**kwargs)
+
+
+def test_write_patched_config_takes_a_fix_or_the_drivers_max_norm(tmp_path):
+    cfg = load_config(os.path.join(DATA, "mmcv1_petr.py"))
+    old_call = write_patched_config(cfg, str(tmp_path / "a.py"), max_norm=0.5)  # adapters/driver.py's call today
+    assert old_call.fix == ConfigFix.known_manual_fix(0.5) and old_call.kind == "flat"
+    assert hasattr(old_call, "changes") and hasattr(old_call, "notes")
+    with pytest.raises(TypeError, match="needs fix=ConfigFix"):
+        write_patched_config(cfg, str(tmp_path / "b.py"))
+    with pytest.raises(TypeError, match="not both"):
+        write_patched_config(cfg, str(tmp_path / "b.py"), KNOWN, max_norm=1.0)
+    with pytest.raises(TypeError, match="fix must be a ConfigFix, got 1.0"):
+        write_patched_config(cfg, str(tmp_path / "b.py"), 1.0)
+    from petr_stability.tools.patch_config import write_patched_config as via_tools
+
+    assert via_tools is write_patched_config  # the import path the driver uses still works
+
+
+# ------------------------------------------------------------------ layout (issue 23)
+PKG = os.path.join(os.path.dirname(os.path.dirname(DATA)), "..", "petr_stability")
+
+
+def test_configfix_imports_without_torch_core_or_adapters():
+    """configfix stands alone: a stand-in parent package, torch made unimportable, nothing of core/adapters loaded."""
+    code = f"""
+import importlib.abc, sys, types
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is not allowed here")
+sys.meta_path.insert(0, NoTorch())
+pkg = types.ModuleType("petr_stability")
+pkg.__path__ = [{os.path.abspath(PKG)!r}]
+sys.modules["petr_stability"] = pkg
+import petr_stability.configfix as c
+fix = c.ConfigFix.known_manual_fix()
+changes, notes, family = c.apply_fix({{"model": {{}}, "optimizer": {{"lr": 1}}}}, fix)
+bad = sorted(m for m in sys.modules if m.startswith(("torch", "petr_stability.core", "petr_stability.adapters",
+                                                     "petr_stability.tools", "petr_stability.registry")))
+print(family, bad)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[0] == "mmcv1 []"
+
+
+def test_no_function_over_60_lines():
+    import ast
+
+    files = [os.path.join(PKG, "configfix", f) for f in os.listdir(os.path.join(PKG, "configfix"))
+             if f.endswith(".py")] + [os.path.join(PKG, p) for p in ("cli.py", "tools/patch_config.py",
+                                                                     "tools/preflight.py")]
+    long = []
+    for path in files:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{os.path.basename(path)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long

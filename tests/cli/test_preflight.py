@@ -501,6 +501,12 @@ def test_the_batch_key_is_the_familys_own(family):
     cfg.update(num_gpus=8, batch_size=1)
     f = _one(check_config(cfg, world_size=2), "lr-not-scaled")
     assert f"this run has 2 x 1 = 2 ({key}=1 per GPU)" in f.why
+    # A caller that knows the runner (the hook) says so: the other family's key holds 4, so no BN-at-batch-1.
+    other = "mmengine" if family == "mmcv1" else "mmcv1"
+    assert "bn-batch-one" in _ids(check_config(cfg, family=family))
+    assert "bn-batch-one" not in _ids(check_config(cfg, family=other))
+    with pytest.raises(ValueError, match="family must be one of .*, got 'mmcv2'"):
+        check_config(cfg, family="mmcv2")
 
 
 def test_auto_scale_lr_of_an_unrelated_schedule_file_is_not_the_lrs_batch(capsys):
