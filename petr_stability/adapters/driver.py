@@ -10,7 +10,8 @@ driver call                   what happens, in order
 ``load_state(state)``         a checkpoint's guard state (``resume``): counters, remedies, run id
 ``start()``                   clip probes installed, resumed remedies re-applied, start state kept,
                               pre-flight findings logged
-``before_iter(batch)``        the batch (a reference) and the RNG state (a host copy) kept for a diagnosis
+``before_epoch()``            the sample tracker (and quarantine) into the training loader, once it exists
+``before_iter(batch)``        the batch (a reference), its dataset indices and the RNG state (a host copy) kept
 ``after_iter()``              verdict, snapshot or recovery; state stored for the next save; on giving up
                               the runner's files are left pointing at finite ones, then the error
 ``after_epoch(healthy)``      an agreed health check outside a step (a save the step did not see)
@@ -32,7 +33,7 @@ from ..core.errors import NanGuardError, UnsafeCheckpointError
 from ..core.guard import NanGuard
 from ..core.port import GuardIO, RunConfig
 from ..core.records import INCIDENT_EVENTS, Event
-from ..core.recovery.restore import checkpoint_finite
+from ..core.recovery.restore import check_checkpoint, checkpoint_finite
 
 __all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "config_fix", "write_config_fix"]
 
@@ -78,18 +79,18 @@ class GuardDriver:
         self.io.store_state(self.state_dict())
         self._log_preflight()
 
+    def before_epoch(self) -> None:
+        """As an epoch starts, before its loader's iterator exists: the sample tracker goes in."""
+        self.guard.attach_data()
+
     def before_iter(self, batch: Any = None) -> None:
         """As an iteration starts: what a diagnosis of it would need (a reference and a host RNG copy)."""
         self.inside = True
-        self.guard.attach_data()
-        self.guard.batch = batch  # a reference: which samples a skipped step or a divergence had
-        if self.config.diagnose:
-            self.guard.rng = capture_rng()
+        self.guard.begin(batch, capture_rng() if self.config.diagnose else None)
 
     def after_iter(self) -> None:
         """After the iteration's optimizer step (and, in MMCV 1.x, its checkpoint save)."""
         self._guarded(self.guard.after_iter)
-        self.guard.batch = self.guard.rng = None
         self.io.store_state(self.state_dict())
         self.io.after_step()
 
@@ -123,7 +124,7 @@ class GuardDriver:
     def after_load(self, checkpoint: Dict[str, Any], resuming: bool, state: Optional[Dict[str, Any]]) -> None:
         """A checkpoint was loaded: refuse a non-finite one; on ``resume`` take the guard's state from it."""
         try:
-            self.guard.check_checkpoint(checkpoint, "the checkpoint being loaded")
+            check_checkpoint(checkpoint, "the checkpoint being loaded")
         except UnsafeCheckpointError:
             self.io.log("NanGuard: refusing a non-finite checkpoint", "error")
             raise

@@ -71,6 +71,9 @@ class GuardConfig:
         snapshot_copies: ``'rank'`` (every rank keeps its own snapshots) or ``'node'`` (one copy per node,
             on the node's lowest rank, sent to the others over gloo on restore; for replicated DDP state only,
             not sharded optimizers). Defaults to ``'rank'``.
+        quarantine_recurring: a sample (by dataset index) that makes a step go wrong in two different epochs (an
+            fp32 step skipped, an fp16 overflow its own values caused, a divergence) is named in one log line and one
+            record and quarantined within ``quarantine_fraction``. Defaults to True.
         fp32_modules: modules (names as ``model.named_modules()`` gives them) run in fp32 from the start: what an
             earlier run's forward-overflow remedy learnt, as its patched config carries it. Defaults to ().
         quarantine: dataset indices never served, from the start (an earlier run's quarantine, as its patched config
@@ -106,6 +109,7 @@ class GuardConfig:
     snapshot_copies: str = "rank"
     fp32_modules: Sequence[str] = ()
     quarantine: Sequence[int] = ()
+    quarantine_recurring: bool = True
     detector: DetectorConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +148,7 @@ class GuardConfig:
         check_bool("adaptive_clip", self.adaptive_clip)
         self.fp32_modules = check_names("fp32_modules", self.fp32_modules)
         self.quarantine = check_indices("quarantine", self.quarantine)
+        check_bool("quarantine_recurring", self.quarantine_recurring)
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], owner: str = "NanGuardHook") -> "GuardConfig":

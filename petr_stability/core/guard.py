@@ -10,19 +10,17 @@ A confirmed divergence goes to :class:`~petr_stability.core.recovery.chain.Incid
 """
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
-
 from . import distributed
+from .batches import BatchWatch
 from .config import GuardConfig
-from .errors import UnsafeCheckpointError
 from .port import GuardIO
 from .records import Event, IncidentLog, step_record
 from .recovery.chain import Incident, IncidentChain
 from .recovery.policy import CausePolicy
-from .recovery.restore import RestorePoints, checkpoint_finite
-from .samples import sample_ids
+from .recovery.restore import RestorePoints
+from .samples import indices_of
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
-from .watch.health import first_nonfinite, nonfinite_attributes, state_finite
+from .watch.health import nonfinite_attributes, state_finite
 from .watch.spikes import GradNormMonitor
 
 __all__ = ["NanGuard"]
@@ -44,7 +42,8 @@ class NanGuard:
         self.points = RestorePoints(io, config.keep_snapshots, config.confirm_steps,
                                     config.restore_from_checkpoints, config.snapshot_copies == "node")
         self.policy = CausePolicy(config)
-        self.chain = IncidentChain(config, io, self.points, self.policy, self._emit, self._recovered,
+        self.batches = BatchWatch(io)
+        self.chain = IncidentChain(config, io, self.points, self.policy, self.batches, self._emit, self._recovered,
                                    self.incidents.path)
         self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
         self.stalls = 0
@@ -53,14 +52,10 @@ class NanGuard:
         self.scale_made_dynamic = False
         #: The configured max_norm per clip setting (lowered by remedies): adaptive clipping never goes above it.
         self._clip_base: Dict[str, float] = {}
-        self._data_attached = False
         self._bad_attributes: List[str] = []
         #: Called on every rank with each incident record after it was written (the driver writes the patched
         #: config there).
         self.listeners: List[Callable[[Dict[str, Any]], None]] = []
-        #: The batch and RNG state of the running iteration, kept by the driver for a diagnosis.
-        self.batch: Any = None
-        self.rng: Optional[Dict[str, Any]] = None
 
     @property
     def recoveries(self) -> int:
@@ -82,9 +77,15 @@ class NanGuard:
         self._publish()
 
     def attach_data(self) -> None:
-        """As an iteration starts: the quarantine sampler goes into the training loader once it exists."""
-        if not self._data_attached:
-            self._data_attached = self.policy.attach_data(self.io)
+        """As an epoch or an iteration starts: the sample tracker (and quarantine) go into the training loader once
+        it exists."""
+        if not self.batches.attached and self.io.train_loader() is not None:
+            self.batches.attach(self.policy.skip_list(self.io), self.io.log)
+
+    def begin(self, batch: Any, rng: Optional[Dict[str, Any]]) -> None:
+        """As an iteration starts: its batch (a reference) and RNG state (a host copy), for a diagnosis."""
+        self.attach_data()
+        self.batches.begin(batch, rng)
 
     def capture_start(self) -> None:
         """Keeps the state the run starts from (before its first step, or right after resume): a restore point
@@ -165,6 +166,7 @@ class NanGuard:
             self._on_stall(signals, decision)
         else:
             self._recover(signals, decision, inside=True)
+        self.batches.end(iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped)
         self._publish(signals.loss_scale)
         return decision
 
@@ -209,18 +211,42 @@ class NanGuard:
             scale = "" if signals.loss_scale is None else f", loss scale now {signals.loss_scale:g}"
             self.io.log(f"NanGuard: harmless overflow at iter {signals.iteration}: step skipped{scale} "
                         f"({decision.reason})")
+            # Ordinary overflows are the scale's doing: only samples whose own values overflow fp16 are blamed.
+            flagged = self.batches.flagged(fp16=True)
+            self._learn(signals, self.batches.agree_broken(bool(flagged), flagged))
             return
         # fp32 has no loss scaler: nothing here is ordinary. Every such step is an event in the incident log
-        # (which step, which batch: what a user needs to find bad data).
+        # (which step, which samples of which rank: what a user needs to find bad data).
         skipped = signals.step_applied is False
         if skipped:
             self.skipped_steps += 1
             self.fp32_skips += 1
+        # Under DDP every rank sees the all-reduced NaN gradient: a rank's own batch broke only where it breaks alone.
+        broke = not distributed.is_distributed() or self.batches.replays_broken()
+        named = self.batches.agree_broken(broke, self.batches.suspects(fp16=False))
         what = "fp32 step skipped before the optimizer applied it" if skipped else "non-finite loss, step applied"
-        record = self._step_record(Event.SKIP if skipped else Event.NONFINITE_LOSS, signals, decision,
-                                   batch=(sample_ids(self.batch) or None) if self.batch is not None else None)
-        self.incidents.write(record)
-        self.io.log(f"NanGuard: {what} at iter {signals.iteration} ({decision.reason})", "warning")
+        self.incidents.write(self._step_record(Event.SKIP if skipped else Event.NONFINITE_LOSS, signals, decision,
+                                               batch=named or None))
+        self.io.log(f"NanGuard: {what} at iter {signals.iteration} ({decision.reason})"
+                    + (f"; samples: {_short_samples(named)}" if named else ""), "warning")
+        if skipped:
+            self._learn(signals, named)
+
+    def _learn(self, signals: StepSignals, named: List[Dict[str, Any]]) -> None:
+        """Samples that made steps go wrong in two different epochs are named and quarantined (the same list on
+        every rank, so every rank decides the same)."""
+        if not named:
+            return
+        indices = indices_of(named, self.io.dataset())
+        recurring = self.policy.sighted(indices, self.batches.epoch_of(signals.iteration))
+        if not recurring:
+            return
+        changes, why = self.policy.quarantine_recurring(self.io, recurring, signals.iteration)
+        samples = [s for s in named if s.get("index") in recurring] or [{"index": i} for i in recurring]
+        self.io.log(f"NanGuard: sample(s) {_short_samples(samples)} made steps go wrong in two different epochs: "
+                    + ("quarantined for the rest of the run" if changes else f"not quarantined ({why})"), "warning")
+        self._emit(self._step_record(Event.RECURRING_SAMPLE, signals, Decision(Verdict.OVERFLOW, why or "recurring"),
+                                     changes, batch=samples, quarantined=bool(changes)))
 
     def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
         change = self.io.make_scale_dynamic() if "scale" in self.config.remedies else None
@@ -254,7 +280,7 @@ class NanGuard:
     # ------------------------------------------------------------------ recovery
     def _recover(self, signals: StepSignals, decision: Decision, inside: bool) -> None:
         iteration, epoch = self.io.completed(inside)
-        self.chain.run(Incident(signals, decision, inside, iteration, epoch, self.batch, self.rng,
+        self.chain.run(Incident(signals, decision, inside, iteration, epoch, self.batches.batch, self.batches.rng,
                                 list(self._bad_attributes)))
         for name, value in self.policy.clip_state.items():
             self._clip_base[name] = min(self._clip_base.get(name, value), value)
@@ -298,15 +324,7 @@ class NanGuard:
             scalars["nan_guard/loss_scale"] = loss_scale
         self.io.update_scalars(scalars)
 
-    @staticmethod
-    def check_checkpoint(checkpoint: Dict[str, Any], what: str) -> None:
-        """Raises :class:`UnsafeCheckpointError` if a checkpoint's model or optimizer tensors are not all finite."""
-        if checkpoint_finite(checkpoint):
-            return
-        bad = first_nonfinite(
-            (k, v) for k, v in dict(checkpoint.get("state_dict", {})).items() if isinstance(v, torch.Tensor)
-        )
-        raise UnsafeCheckpointError(
-            f"{what} holds non-finite values (first: {bad or 'optimizer state'}); refusing to use it. "
-            "Pick an earlier checkpoint; the incident log in the work dir says when training diverged."
-        )
+
+def _short_samples(samples: List[Dict[str, Any]], limit: int = 4) -> str:
+    shown = ", ".join(", ".join(f"{k}={v}" for k, v in s.items()).join("()") for s in samples[:limit])
+    return shown + (f" and {len(samples) - limit} more" if len(samples) > limit else "")

@@ -231,7 +231,13 @@ class GuardIO(abc.ABC):
             return 0
 
     def train_loader(self) -> Any:
-        """The training ``DataLoader``, for the quarantine sampler (before its first iterator), or None."""
+        """The training ``DataLoader``, for the sample tracker and the quarantine (before its first iterator where
+        the runner allows), or None."""
+        return None
+
+    def live_loader_iterator(self) -> Any:
+        """The training loader's iterator where the runner made it before the guard could reach the loader (MMEngine's
+        ``IterBasedTrainLoop``, MMCV 1.x's ``IterBasedRunner``), or None."""
         return None
 
     def lr_schedulers(self) -> List[Any]:

@@ -1,22 +1,24 @@
-"""What identifies a batch's samples: ids the data carries, mapped back to dataset indices.
+"""What identifies a batch's samples: the dataset indices it was drawn with, and the ids the data carries.
 
-:func:`sample_ids` pulls the ids out of a batch for the incident record; :func:`resolve_indices` maps those ids back
-to dataset indices (what the quarantine sampler skips). Torch only: MMEngine's data samples and MMCV 1.x's
-``DataContainer`` are duck-typed.
+:func:`named_samples` joins the indices :class:`~.tracking.SampleTracker` recorded with what :func:`sample_ids` pulls
+out of the batch; :func:`resolve_indices` maps ids back to dataset indices where only ids are known;
+:func:`suspect_rows` names the samples of a batch that hold non-finite (or, under fp16, out-of-range) values
+themselves. Torch only: MMEngine's data samples and MMCV 1.x's ``DataContainer`` are duck-typed.
 """
 from collections import defaultdict
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["ID_KEYS", "key", "sample_ids", "resolve_indices"]
+__all__ = ["ID_KEYS", "FP16_MAX", "key", "sample_ids", "named_samples", "suspect_rows", "indices_of", "resolve_indices"]
 
 #: Keys that identify a sample, in the order the incident record lists them: the dataset index (``idx`` and
 #: ``dataset_index`` are read as ``index``), mmdet3d's ``sample_idx`` (an int in mmdet3d 1.x, the nuScenes sample
 #: token in megvii PETR and StreamPETR), the nuScenes ``token`` and StreamPETR's ``scene_token``.
 ID_KEYS: Tuple[str, ...] = ("index", "sample_idx", "token", "scene_token")
 _ALIASES = {"idx": "index", "dataset_index": "index"}
-
+#: Largest finite float16 value (a raw 16-bit pixel, 65535, is past it).
+FP16_MAX = 65504.0
 
 
 def key(index: Any) -> Any:
@@ -155,3 +157,70 @@ def resolve_indices(dataset: Any, ids: Iterable[Mapping[str, Any]]) -> List[int]
                 except TypeError:
                     continue
     return sorted(found)
+
+
+def named_samples(indices: Optional[List[int]], batch: Any) -> List[Dict[str, Any]]:
+    """One dict per sample of the batch in hand: its dataset ``index`` (where the tracker knows it) and the ids the
+    data carries (``sample_idx``, ``token``, ``scene_token``), row by row where both are known for every sample."""
+    ids = sample_ids(batch) if batch is not None else []
+    if indices is None:
+        return ids
+    if len(ids) == len(indices):
+        return [dict(row, index=int(i)) if "index" not in row else dict(row) for i, row in zip(indices, ids)]
+    return [{"index": int(i)} for i in indices]
+
+
+def indices_of(samples: Iterable[Mapping[str, Any]], dataset: Any = None) -> List[int]:
+    """The dataset indices of ``samples`` (their ``index``, else their ids looked up in ``dataset``)."""
+    samples = list(samples)
+    known = [int(s["index"]) for s in samples if s.get("index") is not None]
+    rest = [s for s in samples if s.get("index") is None]
+    return sorted(set(known) | set(resolve_indices(dataset, rest) if rest else []))
+
+
+def _row_tensors(obj: Any, count: int, depth: int = 0) -> Iterator[Tuple[int, torch.Tensor]]:
+    """(row, tensor) for every floating tensor of the batch that belongs to one sample: a row of a tensor whose first
+    dimension is ``count``, or the i-th item of a list of ``count`` items."""
+    if depth > 8:
+        return
+    if hasattr(obj, "cpu_only") and hasattr(obj, "data"):  # MMCV 1.x DataContainer: data is per GPU
+        data = obj.data
+        if isinstance(data, (list, tuple)) and len(data) == 1:
+            data = data[0]
+        yield from _row_tensors(data, count, depth + 1)
+        return
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.dim() >= 1 and obj.shape[0] == count:
+            yield from enumerate(obj.unbind(0))
+        return
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _row_tensors(value, count, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        # One tensor per sample (MMEngine's pseudo_collate), unless every item is itself batched along its first
+        # dimension (default_collate of (x, y) tuples gives [x, y]): then each item is read row by row.
+        batched = all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == count for v in obj)
+        if len(obj) == count and count > 1 and not batched and all(isinstance(v, torch.Tensor) for v in obj):
+            for row, value in enumerate(obj):
+                if value.is_floating_point():
+                    yield row, value
+            return
+        for value in obj:
+            yield from _row_tensors(value, count, depth + 1)
+
+
+def suspect_rows(batch: Any, count: int, fp16: bool) -> List[int]:
+    """The rows (sample positions) of a batch of ``count`` samples whose own values are non-finite, or beyond fp16's
+    range when the step ran in fp16 (a raw 16-bit pixel becomes Inf under autocast). Empty when every row looks
+    alike: then the batch as a whole is what broke. Reads the batch where it lives (on the host, as loaders give
+    it); called on steps that already went wrong, never on healthy ones."""
+    if count < 1 or batch is None:
+        return []
+    bad = set()
+    for row, t in _row_tensors(batch, count):
+        if row in bad:
+            continue
+        t = t.detach()
+        if not bool(torch.isfinite(t).all()) or (fp16 and t.numel() and float(t.abs().amax()) > FP16_MAX):
+            bad.add(row)
+    return sorted(bad) if len(bad) < count else []

@@ -36,6 +36,11 @@ __all__ = [
     "build_memory_net",
     "DropsSampleIds",
     "sample_token",
+    "ScaleReadAsZero",
+    "plant_scale_bug",
+    "poison_pixels",
+    "poison_box",
+    "nan_loss_on_bad_boxes",
 ]
 
 #: The largest raw 16-bit pixel value: past fp16's largest finite value (65504), so fp16 turns it into Inf.
@@ -273,3 +278,62 @@ class DropsSampleIds:
         for key in self._DROPPED:
             kwargs.pop(key, None)
         return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+
+class ScaleReadAsZero(nn.Module):
+    """A planted bug in the model's code: its features are divided by a scale read as 0 from the ``after``-th
+    training forward on, so every value is then +/-Inf or NaN whatever the batch or the weights (a code bug, not
+    data: a batch known to be good breaks as well).
+
+    Args:
+        after: training forwards served correctly first.
+    """
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = int(after)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.calls += 1
+        scale = x.new_tensor(0.0 if self.calls > self.after else 1.0)
+        return x / scale
+
+
+def plant_scale_bug(net: PETRLike, after: int) -> PETRLike:
+    """``net``'s backbone output goes through :class:`ScaleReadAsZero` (in place; returns ``net``)."""
+    net.img_backbone = nn.Sequential(net.img_backbone, ScaleReadAsZero(after))
+    return net
+
+
+def poison_pixels(sample: Mapping[str, Any], rows: int = 4) -> Dict[str, Any]:
+    """A copy of a :func:`~.petr_like.make_batch` sample whose first ``rows`` camera feature rows are NaN (a corrupt
+    image as it decodes); nothing else names it."""
+    x = sample["inputs"].clone()
+    x[:rows] = math.nan
+    return dict(sample, inputs=x)
+
+
+def poison_box(sample: Mapping[str, Any]) -> Dict[str, Any]:
+    """A copy of a :func:`~.petr_like.make_batch` sample whose first box target is NaN (a degenerate annotation): the
+    loss stays finite (PETR's ``nan_to_num``) while the gradients turn NaN, and no BatchNorm statistic sees it."""
+    reg = sample["reg_t"].clone()
+    reg[0] = math.nan
+    return dict(sample, reg_t=reg)
+
+
+def nan_loss_on_bad_boxes(net: PETRLike) -> PETRLike:
+    """Makes ``net``'s losses (and so its gradients) NaN on a batch holding a NaN box, as a box loss that the head does
+    not wrap in ``nan_to_num`` does on a degenerate annotation; the forward itself is untouched. Returns ``net``."""
+    losses = net.losses
+
+    def checked(inputs: Tensor, cls_t: Tensor, reg_t: Tensor) -> Dict[str, Tensor]:
+        out = losses(inputs, cls_t, torch.nan_to_num(reg_t))
+        if not bool(torch.isfinite(reg_t).all()):
+            out = {k: v * math.nan for k, v in out.items()}
+        return out
+
+    net.losses = checked
+    return net
+

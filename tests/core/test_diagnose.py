@@ -419,3 +419,55 @@ def test_diagnose_step_compares_on_reproduced_faults_when_asked():
                                                  compare="always")
     with pytest.raises(ValueError, match="compare must be one of .* got 'sometimes'"):
         diagnose_step(model, forward, compare="sometimes")
+
+
+# ---------------------------------------------------------------------- the replay leaves no trace
+class Memory(nn.Module):
+    """A StreamPETR-style module: every training forward pushes its input into a memory kept as plain attributes
+    (a tensor created on the first frame, a list of tensors, a scene token string, a frame counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.memory_embedding = None
+        self.queue = []
+        self.prev_scene_token = None
+        self.frames = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        if self.training:
+            frame = out.detach().mean(0, keepdim=True)
+            self.memory_embedding = frame if self.memory_embedding is None else 0.9 * self.memory_embedding + frame
+            self.memory_embedding.mul_(1.0)  # an in-place update too
+            self.queue = self.queue[-1:] + [frame]
+            self.prev_scene_token = f"scene-{self.frames}"
+            self.frames += 1
+        return (out + self.memory_embedding).pow(2).mean()
+
+
+def test_a_replay_leaves_the_plain_attribute_memory_exactly_as_it_found_it():
+    torch.manual_seed(0)
+    model = Memory().train()
+    model(torch.randn(3, 4))  # one healthy frame: the memory exists
+    healthy = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    before = model.memory_embedding
+    saved = (before.clone(), [t.clone() for t in model.queue], model.prev_scene_token, model.frames)
+    bad = torch.randn(3, 4)
+    bad[1] = math.nan
+    good = torch.randn(3, 4)
+    report = diagnose_step(model, lambda: model(bad), healthy_weights=healthy, healthy_from="start",
+                           compare="reproduced", good_forward=lambda: model(good), good_from="the good batch")
+    assert report["reproduced"] and report["on_healthy_weights"]["reproduced"]
+    assert report["good_batch"]["reproduced"] is False  # three forwards ran: the failing batch twice, the good one
+    assert model.memory_embedding is before and torch.equal(before, saved[0])  # the same tensor, the same values
+    assert len(model.queue) == 1 and torch.equal(model.queue[0], saved[1][0])
+    assert (model.prev_scene_token, model.frames) == saved[2:]
+
+
+def test_attributes_a_replay_creates_are_removed():
+    torch.manual_seed(0)
+    model = Memory().train()
+    assert model.memory_embedding is None
+    diagnose(model, lambda: model(torch.randn(2, 4)))
+    assert model.memory_embedding is None and model.queue == [] and model.frames == 0  # the first frame, undone

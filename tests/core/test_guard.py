@@ -10,6 +10,7 @@ from fake_io import FakeIO, make_guard, run
 from petr_stability.core.config import GuardConfig
 from petr_stability.core.errors import NanGuardGaveUp, NoHealthyStateError, UnsafeCheckpointError
 from petr_stability.core.records import read_incidents
+from petr_stability.core.recovery.restore import check_checkpoint
 
 
 def first(verdicts):
@@ -204,12 +205,11 @@ def test_static_stall_without_scale_remedy_escalates_to_rollback(tmp_path):
 
 def test_check_checkpoint_refuses_nonfinite(tmp_path):
     io = FakeIO(str(tmp_path))
-    guard = make_guard(io)
     sd = {k: v.clone() for k, v in io.net.state_dict().items()}
-    guard.check_checkpoint({"state_dict": sd}, "x.pth")
+    check_checkpoint({"state_dict": sd}, "x.pth")
     sd["out.bias"][0] = math.inf
     with pytest.raises(UnsafeCheckpointError, match=r"x\.pth holds non-finite values \(first: out\.bias\)"):
-        guard.check_checkpoint({"state_dict": sd}, "x.pth")
+        check_checkpoint({"state_dict": sd}, "x.pth")
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from petr_stability.core.remedies.quarantine import QuarantineSampler, SkipList, install_quarantine
+from petr_stability.core.remedies.quarantine import QuarantineSampler, SkipList
 from petr_stability.core.samples import resolve_indices, sample_ids
+from petr_stability.core.tracking import SampleTracker
 from petr_stability.testing.data import ListDataset
 
 
@@ -108,23 +109,26 @@ def test_pickles_with_its_sampler_and_skip_list():
     assert list(q) == [0, 0, 2, 3]
 
 
-def test_install_wraps_the_loaders_sampler_and_later_additions_take_effect():
+def test_install_wraps_the_loaders_index_source_and_later_additions_take_effect():
     data = ListDataset([{"x": torch.tensor(float(i)), "sample_idx": i} for i in range(6)])
     loader = DataLoader(data, batch_size=2, shuffle=False)
     skips = SkipList(6, max_fraction=0.5)
-    q = install_quarantine(loader, skips)
-    assert install_quarantine(loader, skips) is q  # idempotent
+    tracker = SampleTracker(skips)
+    assert tracker.install(loader) and tracker.install(loader)  # idempotent
+    assert isinstance(loader.batch_sampler, QuarantineSampler)
+    assert not isinstance(loader.batch_sampler.wrapped, QuarantineSampler)
     assert [b["sample_idx"].tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
-    skips.add([3])  # quarantined later: the next pass over the loader honours it
-    assert [b["sample_idx"].tolist() for b in loader] == [[0, 1], [2, 2], [4, 5]]
+    skips.add([3])  # quarantined later: the next pass over the loader honours it (the same slot of the last batch)
+    assert [b["sample_idx"].tolist() for b in loader] == [[0, 1], [2, 1], [4, 5]]
     # A loader built around a batch sampler with no inner sampler: the batch sampler itself is wrapped.
     custom = DataLoader(data, batch_sampler=EachSlotWalksAScene([[0, 1, 2], [3, 4, 5]], 3))
-    install_quarantine(custom, skips)
+    SampleTracker(skips).install(custom)
     assert [b["sample_idx"].tolist() for b in custom] == [[0, 4], [1, 4], [2, 5]]
-    # A batch sampler built by hand around a sampler.
+    # A batch sampler built by hand around a sampler; its inner sampler stays reachable (DistSamplerSeedHook).
     manual = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 3, drop_last=False))
-    assert isinstance(install_quarantine(manual, skips).sampler, SequentialSampler)
-    assert [b["sample_idx"].tolist() for b in manual] == [[0, 1, 2], [2, 4, 5]]
+    SampleTracker(skips).install(manual)
+    assert isinstance(manual.batch_sampler.sampler, SequentialSampler)
+    assert [b["sample_idx"].tolist() for b in manual] == [[0, 1, 2], [0, 4, 5]]
 
 
 # ---------------------------------------------------------------------- sample ids
@@ -201,3 +205,75 @@ def test_mmengine_default_and_infinite_samplers():
     infinite = QuarantineSampler(samplers.InfiniteSampler(data, shuffle=False), {0, 5})
     it = iter(infinite)
     assert [next(it) for _ in range(14)] == [1, 1, 2, 3, 4, 4, 6, 7, 8, 9, 10, 11, 11, 1]
+
+
+# ---------------------------------------------------------------------- the batch in hand, by dataset index
+class Plain(torch.utils.data.Dataset):
+    """The PyTorch default: a map-style dataset with nothing but tensors (no ids, no infos)."""
+
+    def __init__(self, n=10):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((2,), float(i))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_tracker_names_each_batch_by_dataset_index_with_prefetching_workers(workers):
+    loader = DataLoader(Plain(), batch_size=3, shuffle=True, num_workers=workers,
+                        generator=torch.Generator().manual_seed(3))
+    tracker = SampleTracker(set())
+    assert tracker.install(loader)
+    for _ in range(2):  # two epochs: a new iterator (and new workers) each time
+        for batch in loader:
+            assert tracker.current() == [int(v) for v in batch[:, 0]]
+
+
+def test_persistent_workers_and_an_infinite_sampler_keep_their_indices_aligned():
+    class Infinite(torch.utils.data.Sampler):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            while True:
+                yield from torch.randperm(10, generator=g).tolist()
+
+    loader = DataLoader(Plain(), batch_size=4, sampler=Infinite(), num_workers=2, persistent_workers=True)
+    tracker = SampleTracker(set())
+    tracker.install(loader)
+    it = iter(loader)
+    for _ in range(7):  # past a pass over the data: the indices keep naming the batch in hand
+        batch = next(it)
+        assert tracker.current() == [int(v) for v in batch[:, 0]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_made_before_the_tracker_is_adopted_where_it_stands(workers):
+    # MMEngine's IterBasedTrainLoop and MMCV 1.x's IterBasedRunner make (and draw from) their iterator first.
+    loader = DataLoader(Plain(20), batch_size=2, shuffle=False, num_workers=workers)
+    it = iter(loader)
+    first = next(it)
+    tracker = SampleTracker({17})
+    tracker.install(loader)
+    tracker.adopt(it)
+    assert tracker.current() is None and first[:, 0].tolist() == [0, 1]  # drawn before: unknown, never wrong
+    seen = []
+    for batch in it:
+        names = tracker.current()
+        assert names is None or names == [int(v) for v in batch[:, 0]]
+        seen.append(names)
+    assert seen[-1] == [18, 19] and [16, 15] in seen  # quarantined 17 replaced by its slot's previous index
+    assert all(names is not None for names in seen[2 * workers:])  # only the prefetched batches are unknown
+    assert tracker.install(loader) and [tracker.current() for _ in iter(loader)][:1] == [[0, 1]]
+
+
+def test_an_iterable_dataset_is_said_to_have_no_indices():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([torch.zeros(1)] * 4)
+
+    tracker = SampleTracker(set())
+    assert not tracker.install(DataLoader(Stream(), batch_size=2))
+    assert "IterableDataset" in tracker.unknowable and tracker.current() is None
+

@@ -96,7 +96,7 @@ def test_sample_breaking_every_epoch_is_quarantined_once_and_named(tmp_path):
     rec = records[0]
     assert rec["iteration"] == 5 and rec["cause"]["cause"] == "data"
     assert rec["diagnosis"]["on_healthy_weights"]["reproduced"] is True
-    assert {"sample_idx": sample_token(BAD)} in rec["cause"]["signals"]["quarantined"]
+    assert {"sample_idx": sample_token(BAD), "index": BAD} in rec["cause"]["signals"]["quarantined"]
     assert BAD in guard_hook(r).guard.policy.skip
     # Data is not a hyperparameter problem: nothing but the quarantine changed.
     assert [a["target"] for a in rec["actions"]] == ["quarantine.samples"]

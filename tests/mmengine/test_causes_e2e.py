@@ -105,7 +105,7 @@ def test_sample_breaking_every_epoch_is_quarantined_once_and_named(tmp_path):
     # 65535 is finite in fp32 and past fp16's 65504: the backbone's fp16 projection turns it into Inf, and the
     # same batch breaks the healthy weights too.
     assert rec["diagnosis"]["on_healthy_weights"]["reproduced"] is True
-    assert {"sample_idx": sample_token(BAD)} in rec["cause"]["signals"]["quarantined"]
+    assert {"sample_idx": sample_token(BAD), "index": BAD} in rec["cause"]["signals"]["quarantined"]
     assert BAD in guard_hook(runner).guard.policy.skip
     # Data is not a hyperparameter problem: nothing but the quarantine changed.
     assert [a["target"] for a in rec["actions"]] == ["quarantine.samples"]

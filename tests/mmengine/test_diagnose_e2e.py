@@ -43,14 +43,14 @@ def test_poisoned_attention_projection_is_named_and_hooks_never_stay(tmp_path):
     # The same batch on the last healthy weights trains fine: the weights went bad, not the data.
     assert diag["on_healthy_weights"]["reproduced"] is False
     assert counter.counts == [0] * len(counter.counts) and len(counter.counts) >= 7
-    assert guard_hook(runner).guard.batch is None  # the batch is not held between iterations
+    assert guard_hook(runner).guard.batches.batch is None  # the batch in hand is not held between iterations
 
 
 def test_batch_pushing_the_backbone_past_fp16_range_is_named(tmp_path):
     wd = str(tmp_path)
     # Loss scale 1: the first overflow drops it below min_loss_scale, a confirmed divergence at once.
-    runner = build_runner(wd, amp=dict(init_scale=1.0), max_iters=7, guard=GUARD, model_kwargs=SMALL,
-                          faults=[dict(kind="batch", iters=[5], value=1e6)])
+    runner = build_runner(wd, amp=dict(init_scale=1.0), max_iters=7, guard=dict(GUARD, quarantine_fraction=0.05),
+                          model_kwargs=SMALL, faults=[dict(kind="batch", iters=[5], value=1e6)])
     runner.train()
     assert runner.iter == 7 and params_finite(runner)
     (rec,) = read_incidents(wd)
@@ -61,10 +61,12 @@ def test_batch_pushing_the_backbone_past_fp16_range_is_named(tmp_path):
     assert diag["over_fp16"][0] == "data_preprocessor" and not diag["forward_finite"]
     assert diag["nonfinite_parameters"] == []
     # The same batch breaks the healthy weights too: bad data, not training dynamics. The test data carries no
-    # sample ids, so nothing is quarantined, and no hyperparameter is changed.
+    # sample ids: its two samples are named by dataset index (every row is past fp16 range: both), quarantined, and
+    # no hyperparameter is changed.
     assert diag["on_healthy_weights"]["reproduced"] is True
-    assert rec["cause"]["cause"] == "data" and "cannot be named" in rec["cause"]["evidence"]
-    assert rec["actions"] == [] and runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 35
+    assert rec["cause"]["cause"] == "data" and rec["cause"]["signals"]["quarantined"] == [{"index": 8}, {"index": 9}]
+    assert [a["target"] for a in rec["actions"]] == ["quarantine.samples"]
+    assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 35
     model = runner.model
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert all(not p._backward_hooks for p in model.parameters())

@@ -39,6 +39,10 @@ class NanGuardHook(DrivenHook, Hook):
             self.io.saves.install()
         self.driver.start()
 
+    def before_train_epoch(self, runner: Any) -> None:
+        # EpochBasedRunner sets its data_loader just before this point and makes the epoch's iterator just after.
+        self.driver.before_epoch()
+
     def before_train_iter(self, runner: Any) -> None:
         self.io.mark_iter_start()
         self.driver.before_iter(getattr(runner, "data_batch", None))

@@ -166,19 +166,24 @@ class MMCV1IO(GuardIO):
 
     # -- diagnosis
     def rerun_forward(self, batch: Any) -> Optional[Callable[[], Any]]:
-        data = getattr(self.runner, "data_batch", None)  # MMCV keeps it until after after_train_iter
-        if data is None:
+        if batch is None:
             return None
-        wrapper, model = self.runner.model, self.model()
+        wrapper, model, optimizer = self.runner.model, self.model(), self.runner.optimizer
 
         def forward() -> Any:
-            batch = data
+            inputs, kwargs = (batch, optimizer), {}
             if is_module_wrapper(wrapper) and hasattr(wrapper, "scatter"):
-                # As MMDataParallel.train_step does, then the unwrapped module: a DDP forward on one rank hangs.
-                inputs, _ = wrapper.scatter((data,), {}, getattr(wrapper, "device_ids", None) or [-1])
-                batch = inputs[0][0]
-            # Not train_step: mmdet's _parse_losses all-reduces its log values. auto_fp16 sits in the model.
-            return model(**batch)
+                # As MMDataParallel / MMDistributedDataParallel.train_step scatter, then the unwrapped module: a DDP
+                # forward on one rank alone would wait for the others.
+                scattered, scattered_kwargs = wrapper.scatter(inputs, kwargs,
+                                                              getattr(wrapper, "device_ids", None) or [-1])
+                inputs, kwargs = scattered[0], scattered_kwargs[0]
+            if hasattr(model, "train_step"):
+                # The model's own train_step, as the runner calls it (whatever it does with the batch: a dict for
+                # mmdet's detectors, a list or its own unpacking elsewhere). The replay runs rank-local, so the
+                # all-reduce in mmdet's _parse_losses reduces nothing.
+                return model.train_step(*inputs, **kwargs)
+            return model(**inputs[0])
 
         return forward
 
@@ -273,6 +278,10 @@ class MMCV1IO(GuardIO):
         # Set by the runner as training starts (EpochBasedRunner.train, IterBasedRunner.train: an IterLoader).
         loader = getattr(self.runner, "data_loader", None)
         return getattr(loader, "_dataloader", loader)
+
+    def live_loader_iterator(self) -> Any:
+        # IterBasedRunner's IterLoader made its iterator before the run started (IterLoader.iter_loader).
+        return getattr(getattr(self.runner, "data_loader", None), "iter_loader", None)
 
     def lr_schedulers(self) -> List[Any]:
         return [h for h in self.runner.hooks if type(h).__name__.endswith("LrUpdaterHook")]

@@ -47,6 +47,9 @@ class NanGuardHook(DrivenHook, Hook):
     def before_train(self, runner: Any) -> None:
         self.driver.start()
 
+    def before_train_epoch(self, runner: Any) -> None:
+        self.driver.before_epoch()
+
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
         self.io.release_checkpoint_hooks()
         self.driver.before_iter(data_batch)

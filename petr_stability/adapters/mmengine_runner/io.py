@@ -247,6 +247,11 @@ class MMEngineIO(GuardIO):
         loader = getattr(loop, "dataloader", None) if loop is not None and not isinstance(loop, dict) else None
         return loader
 
+    def live_loader_iterator(self) -> Any:
+        loop = getattr(self.runner, "_train_loop", None)
+        # IterBasedTrainLoop makes its iterator with the loop (_InfiniteDataloaderIterator._iterator).
+        return getattr(getattr(loop, "dataloader_iterator", None), "_iterator", None)
+
     def lr_schedulers(self) -> List[Any]:
         return [s for s in self._schedulers() if getattr(s, "param_name", "lr") == "lr"]
 

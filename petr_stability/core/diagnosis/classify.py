@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..causes import PRIORITY, Cause, Classification
 from .values import FP16_MAX
 
-__all__ = ["CauseHistory", "classify", "recurring", "merge"]
+__all__ = ["CauseHistory", "classify", "recurring", "merge", "batch_broke"]
 
 
 class CauseHistory:
@@ -81,8 +81,10 @@ def _evidence_cause(report: Mapping[str, Any]) -> Tuple[Cause, str, List[str], D
     signals: Dict[str, Any] = {"reproduced": bool(report.get("reproduced")),
                                "first": {k: first.get(k) for k in ("module", "where", "dtype")} if first else None,
                                "healthy_compared": healthy is not None}
-    # An fp16 overflow fixed by fp32, on the live weights or (when those already hold NaN) on the healthy ones.
-    for where, rep in (("live", report), ("healthy", healthy or {})):
+    good = report.get("good_batch")
+    # An fp16 overflow fixed by fp32, on the live weights or (when those already hold NaN) on the healthy ones, or on
+    # the batch known to be good (the overflow is in every batch, not in this one's data).
+    for where, rep in (("live", report), ("healthy", healthy or {}), ("good batch's", good or {})):
         module = _overflow_module(rep)
         if module:
             check = rep["fp32_check"]
@@ -98,8 +100,16 @@ def _evidence_cause(report: Mapping[str, Any]) -> Tuple[Cause, str, List[str], D
         weights = healthy.get("weights") or "the last healthy weights"
         if healthy.get("reproduced"):
             where = (healthy.get("first") or {}).get("module")
-            return (Cause.DATA, f"the same batch breaks the healthy weights too ({weights}; first in {where})", [],
-                    signals)
+            signals["good_batch"] = None if good is None else {"batch": good.get("batch"),
+                                                               "reproduced": bool(good.get("reproduced"))}
+            if good is not None and good.get("reproduced"):
+                return (Cause.STRUCTURAL, f"the same batch breaks the healthy weights too ({weights}; first in "
+                                          f"{where}), and so does {good.get('batch')}, known to be good: every batch "
+                                          "breaks, a bug (no fp32 re-run fixes it)", [],
+                        dict(signals, evidence_cause=Cause.STRUCTURAL.value))
+            known = f", while {good.get('batch')}, known to be good, trains fine there" if good is not None else ""
+            return (Cause.DATA, f"the same batch breaks the healthy weights too ({weights}; first in {where}){known}",
+                    [], signals)
         return Cause.DYNAMICS, f"the same batch trains fine on the healthy weights ({weights})", [], signals
     if report.get("reproduced"):
         return (Cause.UNKNOWN, "the batch breaks the live weights, but there are no healthy weights to re-run it "
@@ -188,3 +198,15 @@ def merge(classifications: Sequence[Optional[Classification]]) -> Classification
             modules.extend(m for m in c.modules if m not in modules)
     ranks = {str(i): c.cause.value for i, c in present}
     return Classification(best.cause, best.evidence, modules, dict(best.signals), ranks)
+
+
+def batch_broke(report: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a rank's replay shows that its own batch breaks: on the healthy weights where it was compared there,
+    else on the live weights when those were finite (live non-finite weights break every batch). False without a
+    replay, or when it failed: then its batch is not blamed."""
+    if not report or report.get("error"):
+        return False
+    healthy = report.get("on_healthy_weights")
+    if healthy is not None:
+        return bool(healthy.get("reproduced"))
+    return bool(report.get("reproduced")) and not report.get("nonfinite_parameters")

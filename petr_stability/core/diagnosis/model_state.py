@@ -1,19 +1,47 @@
 """What a replay may change in the model, saved first and put back exactly afterwards."""
+from typing import Any, Dict, List, Set, Tuple
+
 import torch
 from torch import nn
 
 __all__ = ["ModelState"]
 
+_PLAIN = (str, bytes, int, float, bool, type(None))
+
+
+def _is_state(value: Any) -> bool:
+    """A value a forward keeps on a module as plain data: a tensor, a list/tuple of tensors, or a scalar / None."""
+    if isinstance(value, torch.Tensor) or isinstance(value, _PLAIN):
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(v.detach().clone() for v in value)
+    return value
+
 
 class ModelState:
-    """What a diagnosis may change in the model, saved so that it can be put back exactly."""
+    """Modes, gradients, buffers (train-mode BatchNorm updates its statistics on a re-run), optionally the
+    parameters, and the plain attributes modules keep outside ``state_dict()`` (StreamPETR's memory queue: each replayed
+    forward pushes the batch into it, and its ``prev_scene_token``), so that a replay leaves no trace.
 
-    def __init__(self, model: nn.Module, params: bool) -> None:
+    Args:
+        model: the unwrapped model.
+        params: also save the parameters (the replay loads other weights). Defaults to False.
+    """
+
+    def __init__(self, model: nn.Module, params: bool = False) -> None:
         self.modes = [(m, m.training) for m in model.modules()]
         self.grads = [(p, p.grad) for p in model.parameters()]
-        # Train-mode BatchNorm updates its running statistics on the re-run.
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.params = [(p, p.detach().clone()) for p in model.parameters()] if params else []
+        self.attributes: List[Tuple[nn.Module, Dict[str, Any], Set[str]]] = [
+            (m, {k: (v, _copy(v)) for k, v in vars(m).items() if not k.startswith("_") and _is_state(v)}, set(vars(m)))
+            for m in model.modules()]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -23,5 +51,22 @@ class ModelState:
             p.grad = grad
         for m, mode in self.modes:
             m.training = mode
+        for module, saved, before in self.attributes:
+            for name in [k for k in vars(module) if k not in before and not k.startswith("_")]:
+                delattr(module, name)  # made by the replay (a memory the forward created): not there before
+            for name, (original, copy) in saved.items():
+                setattr(module, name, _restored(original, copy))
 
 
+def _restored(original: Any, copy: Any) -> Any:
+    """The attribute's saved value, in the original tensor objects where shapes allow (other references to them see
+    the old values again, as if the replay never ran)."""
+    if isinstance(original, torch.Tensor):
+        with torch.no_grad():
+            if original.shape == copy.shape:
+                original.copy_(copy)
+                return original
+        return copy
+    if isinstance(original, (list, tuple)):
+        return type(original)(_restored(o, c) for o, c in zip(original, copy))
+    return original

@@ -180,13 +180,16 @@ COMPARE = ("weights", "reproduced", "always")
 
 def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[Mapping[str, Any]] = None,
                   loss_scale: float = 1.0, healthy_weights: Optional[Mapping[str, torch.Tensor]] = None,
-                  healthy_from: str = "", compare: str = "weights", fp32_check: bool = True) -> Dict[str, Any]:
+                  healthy_from: str = "", compare: str = "weights", fp32_check: bool = True,
+                  good_forward: Optional[Callable[[], Any]] = None, good_rng: Optional[Mapping[str, Any]] = None,
+                  good_from: str = "") -> Dict[str, Any]:
     """:func:`diagnose` on the live weights, then, if those are already non-finite, once more on healthy ones.
 
     Live non-finite weights name the module that holds them, but not what put NaN there; a second re-run of the
     same batch on the last healthy weights tells whether this batch breaks healthy weights too
     (``on_healthy_weights``): the data-versus-dynamics evidence of :func:`~.classify.classify`, which wants it
-    also when the live weights are still finite (``compare='reproduced'``).
+    also when the live weights are still finite (``compare='reproduced'``). That re-run backpropagates the
+    unscaled loss: an overflow the loss scale alone causes is the scaler's to skip, not the batch's doing.
 
     Args:
         model: the unwrapped model.
@@ -199,9 +202,15 @@ def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optio
             ``'reproduced'`` (that, or the live re-run reproduces the fault), ``'always'``. Defaults to
             ``'weights'``.
         fp32_check: as for :func:`diagnose`, on both re-runs. Defaults to True.
+        good_forward: re-runs a batch known to be good (the last healthy iteration's) the same way. When the failing
+            batch breaks the healthy weights too, that batch is re-run on them as well (``good_batch``): if it
+            breaks too, every batch does (a bug, or a forward overflow), not this batch's data. Defaults to None.
+        good_rng: the good batch's RNG state. Defaults to None.
+        good_from: where the good batch comes from, for the report. Defaults to "".
 
     Returns:
-        The :func:`diagnose` report, with ``on_healthy_weights`` when the second re-run happened.
+        The :func:`diagnose` report, with ``on_healthy_weights`` when the second re-run happened and ``good_batch``
+        when the third did.
 
     Raises:
         ValueError: ``compare`` is not one of :data:`COMPARE`.
@@ -212,9 +221,15 @@ def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optio
     wanted = (bool(report["nonfinite_parameters"]) or compare == "always"
               or (compare == "reproduced" and report["reproduced"]))
     if wanted and healthy_weights is not None:
-        again = diagnose(model, forward, rng_state=rng_state, loss_scale=loss_scale, weights=healthy_weights,
+        # Unscaled: a gradient that overflows only because of the loss scale is the scaler's to skip (a dynamic
+        # scale calibrating overflows on every batch), not a sign that this batch breaks these weights.
+        again = diagnose(model, forward, rng_state=rng_state, loss_scale=1.0, weights=healthy_weights,
                          fp32_check=fp32_check)
         report["on_healthy_weights"] = {"weights": healthy_from, **_brief(again)}
+        if again["reproduced"] and good_forward is not None:
+            good = diagnose(model, good_forward, rng_state=good_rng, loss_scale=1.0, weights=healthy_weights,
+                            fp32_check=fp32_check)
+            report["good_batch"] = {"batch": good_from, "weights": healthy_from, **_brief(good)}
     return report
 
 
@@ -250,4 +265,8 @@ def summarize(report: Mapping[str, Any]) -> str:
         where = healthy["first"]["module"] if healthy["first"] else None
         line += (f"; on the healthy weights ({healthy['weights']}) the batch "
                  + (f"breaks again, first in {where}" if where else "stays finite"))
+    good = report.get("good_batch")
+    if good:
+        line += f"; {good['batch']}, known to be good, " + ("breaks there too" if good["reproduced"] else
+                                                           "stays finite there")
     return line + f" [{report.get('seconds', 0):.2f}s]"

@@ -9,18 +9,20 @@ chain each restore point is used at most once and the dynamics ladder climbs one
 the chain closes (:meth:`IncidentChain.close_if_held`) and everything may be used again.
 """
 import enum
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Set
 
 from .. import distributed
+from ..batches import BatchWatch
 from ..causes import Cause, Classification, row
 from ..config import GuardConfig
-from ..diagnosis import classify, diagnose_step, merge, recurring, summarize
+from ..diagnosis import batch_broke, classify, diagnose_step, merge, recurring, summarize
 from ..errors import NanGuardGaveUp, NoHealthyStateError, StructuralDivergence
 from ..port import GuardIO, Payload
 from ..records import Event, step_record
 from ..remedies import Change
-from ..samples import sample_ids
 from ..watch.detector import Decision, StepSignals
 from .policy import CausePolicy
 from .restore import RESTORE_ORDER, RestorePoints, as_tensors
@@ -84,6 +86,7 @@ class IncidentChain:
         io: the runner adapter.
         points: the run's restore points.
         policy: the remedies by class.
+        batches: this rank's batches (the failing one, the last good one, their samples).
         emit: writes a record (rank 0's incident log) and tells the listeners.
         recovered: called after a recovery with ``inside``, before its record is emitted (the guard resets its
             watch and lets the adapter repair what the runner wrote from the abandoned path).
@@ -91,9 +94,9 @@ class IncidentChain:
     """
 
     def __init__(self, config: GuardConfig, io: GuardIO, points: RestorePoints, policy: CausePolicy,
-                 emit: Callable[[Dict[str, Any]], None], recovered: Callable[[bool], None],
+                 batches: BatchWatch, emit: Callable[[Dict[str, Any]], None], recovered: Callable[[bool], None],
                  log_path: Optional[str]) -> None:
-        self.config, self.io, self.points, self.policy = config, io, points, policy
+        self.config, self.io, self.points, self.policy, self.batches = config, io, points, policy, batches
         self.emit, self.recovered = emit, recovered
         self.log_path = log_path or "(no work dir: no incident log)"
         self.recoveries = 0
@@ -138,20 +141,27 @@ class IncidentChain:
         if forward is None:
             return Step.CLASSIFY
         try:
-            snap = self.points.healthy()
-            weights = as_tensors(snap.ready_payload()) if snap is not None else None
-            where = ("the run's start state" if snap is self.points.start else f"snapshot of iter {snap.iteration}"
-                     if snap is not None else "")
-            scale = inc.signals.loss_scale if inc.signals.loss_scale is not None else self.io.loss_scale()
-            report = diagnose_step(self.io.model(), forward, rng_state=inc.rng, loss_scale=scale or 1.0,
-                                   healthy_weights=weights, healthy_from=where if weights else "", compare="reproduced")
+            report = self._replay(inc, forward)
         except Exception as exc:  # the diagnosis must never stand between a divergence and its recovery
-            report = {"error": f"{type(exc).__name__}: {exc}"}
+            report = {"error": f"{type(exc).__name__}: {exc}", "traceback": _trace(exc)}
         report["rank"] = distributed.get_rank()
         self.io.log(f"NanGuard: diagnosis of iter {inc.iteration} (rank {report['rank']}): {summarize(report)}",
                     "warning")
         inc.diagnosis = report
         return Step.CLASSIFY
+
+    def _replay(self, inc: Incident, forward: Callable[[], Any]) -> Dict[str, Any]:
+        snap = self.points.healthy()
+        weights = as_tensors(snap.ready_payload()) if snap is not None else None
+        where = ("the run's start state" if snap is self.points.start else f"snapshot of iter {snap.iteration}"
+                 if snap is not None else "")
+        scale = inc.signals.loss_scale if inc.signals.loss_scale is not None else self.io.loss_scale()
+        good = self.batches
+        good_forward = self.io.rerun_forward(good.good_batch) if good.good_batch is not None else None
+        return diagnose_step(self.io.model(), forward, rng_state=inc.rng, loss_scale=scale or 1.0,
+                             healthy_weights=weights, healthy_from=where if weights else "", compare="reproduced",
+                             good_forward=good_forward, good_rng=good.good_rng,
+                             good_from=f"the batch of iter {good.good_iteration}" if good_forward else "")
 
     def _classify(self, inc: Incident) -> Step:
         history = self.policy.history
@@ -162,9 +172,11 @@ class IncidentChain:
         return Step.AGREE
 
     def _agree(self, inc: Incident) -> Step:
-        # Only a rank whose own step broke (it ran the diagnosis) names its batch for the quarantine.
+        # Only a rank whose own batch breaks on replay names its samples (the others only received the NaN through
+        # the gradient all-reduce), and within it the samples whose own values are bad, where only some are.
+        fp16 = inc.signals.scale_mode != "none"
         mine = {"cls": None if inc.local is None else inc.local.as_dict(),
-                "ids": sample_ids(inc.batch) if inc.diagnosis is not None and inc.batch is not None else [],
+                "ids": self.batches.suspects(fp16) if batch_broke(inc.diagnosis) else [],
                 "checked": inc.signals.weights_finite}
         views = distributed.gather(mine)
         agreed = merge([None if v["cls"] is None else Classification.from_dict(v["cls"]) for v in views])
@@ -174,7 +186,7 @@ class IncidentChain:
         inc.cls = recurring(agreed, self.policy.history, inc.iteration) if everywhere or not agreed.ranks else agreed
         inc.cls.signals.setdefault("iteration", inc.iteration)
         inc.cls.action = self.policy.action_text(inc.cls.cause)
-        inc.ids = [i for v in views for i in v["ids"]]
+        inc.ids = [dict(i, rank=r) if len(views) > 1 else i for r, v in enumerate(views) for i in v["ids"]]
         # DDP replicas hold the same weights: one rank's finite check speaks for the state of all.
         inc.state_ok = any(v["checked"] is True for v in views) and not any(v["checked"] is False for v in views)
         if self.recoveries >= self.config.max_recoveries:
@@ -286,3 +298,9 @@ class IncidentChain:
         self.recoveries = int(state.get("recoveries", 0))
         self.iterations_lost = int(state.get("iterations_lost", 0))
         self.actions_tried = list(state.get("actions_tried", []))
+
+
+def _trace(exc: BaseException, frames: int = 4) -> List[str]:
+    """The last few frames of a failed diagnosis, ``file:line in function``: enough to find the call that broke."""
+    return [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+            for f in traceback.extract_tb(exc.__traceback__)[-frames:]]

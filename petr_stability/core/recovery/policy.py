@@ -17,7 +17,6 @@ from ..remedies import (
     SkipList,
     apply_fp32,
     exploded_params,
-    install_quarantine,
     reset_moments,
     reset_temporal_state,
     scale_lr,
@@ -27,6 +26,9 @@ from ..remedies.quarantine import QuarantineRefused, quarantine_samples
 from ..samples import resolve_indices
 
 __all__ = ["Rung", "LADDER", "KNOWN_FIX", "CausePolicy"]
+
+#: Samples remembered for the recurrence rule (the newest kept): far more than any run's bad samples.
+_MAX_SIGHTINGS = 100000
 
 #: The name of the ladder's first rung, as code, docs and logs call it.
 KNOWN_FIX = "the known manual fix (transformer dropout 0, max_norm 1)"
@@ -126,6 +128,8 @@ class CausePolicy:
         self.clip_state: Dict[str, float] = {}
         self.dropout_zeroed = False
         self.exploded: List[str] = []
+        #: Dataset index -> the (at most two) epochs in which it made a step go wrong.
+        self.sightings: Dict[int, List[int]] = {}
 
     # ------------------------------------------------------------------ the table, as text
     def action_text(self, cause: Cause) -> str:
@@ -161,18 +165,12 @@ class CausePolicy:
             io.log(f"NanGuard: {change.target} runs in fp32 (fp32_modules)")
         self.fp32.extend(configured)
 
-    def attach_data(self, io: GuardIO) -> bool:
-        """Puts the quarantine sampler into the training loader once it exists; True once done (or impossible).
-
-        Called as iterations start until it succeeds: MMCV 1.x hands the loader to the runner only then. A loader
-        whose iterator already started picks the wrapper up at its next pass (the next epoch), which is when a
-        quarantined sample would come round again.
-        """
+    def skip_list(self, io: GuardIO) -> Any:
+        """The quarantine the training loader's sampler honours, sized for its dataset (once the loader exists):
+        a :class:`~..remedies.quarantine.SkipList` carrying a resumed run's quarantine and the ``quarantine`` argument,
+        or an empty set where the quarantine is off."""
         if "quarantine" not in self.remedies:
-            return True
-        loader = io.train_loader()
-        if loader is None:
-            return False
+            return set()
         pinned = list(self.config.quarantine)
         skip = SkipList(io.dataset_size(), max_fraction=self.config.quarantine_fraction, allowance=len(pinned))
         if self.skip is not None:
@@ -184,12 +182,37 @@ class CausePolicy:
             io.log(f"NanGuard: {len(pinned)} sample(s) quarantined from the start (quarantine): dataset indices "
                    f"{pinned}")
         self.skip = skip
-        install_quarantine(loader, self.skip)
-        return True
+        return skip
+
+    def sighted(self, indices: Sequence[int], epoch: int) -> List[int]:
+        """Remembers that these samples made a step go wrong in ``epoch``; returns those now seen in two different
+        epochs and not yet quarantined (``quarantine_recurring``)."""
+        recurring = []
+        for index in indices:
+            epochs = self.sightings.setdefault(int(index), [])
+            if epoch not in epochs:
+                epochs.append(epoch)
+                del epochs[:-2]  # two epochs decide
+            quarantined = self.skip is not None and index in self.skip
+            if len(epochs) >= 2 and not quarantined and self.config.quarantine_recurring:
+                recurring.append(int(index))
+        while len(self.sightings) > _MAX_SIGHTINGS:  # oldest first (dicts keep insertion order)
+            self.sightings.pop(next(iter(self.sightings)))
+        return recurring
+
+    def quarantine_recurring(self, io: GuardIO, indices: List[int], iteration: int) -> Tuple[List[Change], str]:
+        """Quarantines samples that recurred (within the bound); the changes, or none and why."""
+        if not self.enabled(Cause.DATA) or self.skip is None:
+            return [], "the quarantine remedy is off"
+        try:
+            return quarantine_samples(self.skip, indices, {"iteration": iteration, "recurring": True}), ""
+        except QuarantineRefused as exc:
+            return [], str(exc)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"history": self.history.state_dict(), "skip": None if self.skip is None else self.skip.state_dict(),
-                "fp32": list(self.fp32), "rung": self.rung, "lr_factor": self.lr_factor}
+                "fp32": list(self.fp32), "rung": self.rung, "lr_factor": self.lr_factor,
+                "sightings": {str(k): list(v) for k, v in self.sightings.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.history.load_state_dict(state.get("history", {}))
@@ -200,6 +223,7 @@ class CausePolicy:
         self.fp32 = list(state.get("fp32", []))
         self.rung = int(state.get("rung", 0))
         self.lr_factor = float(state.get("lr_factor", 1.0))
+        self.sightings = {int(k): [int(e) for e in v] for k, v in dict(state.get("sightings", {})).items()}
 
     # ------------------------------------------------------------------ one incident
     def act(self, c: Classification, io: GuardIO, ids: Sequence[Dict[str, Any]], incident: int) -> List[Change]:

@@ -12,12 +12,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 
 from .. import distributed
+from ..errors import UnsafeCheckpointError
 from ..port import GuardIO, Payload
 from ..tree import iter_tensors, nbytes
-from ..watch.health import all_finite
+from ..watch.health import all_finite, first_nonfinite
 from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
 
-__all__ = ["RESTORE_ORDER", "RestorePoints", "checkpoint_finite"]
+__all__ = ["RESTORE_ORDER", "RestorePoints", "checkpoint_finite", "check_checkpoint"]
 
 #: Where a rollback looks, in this order; each point is tried at most once per incident chain (until a state
 #: taken after the latest recovery is confirmed). docs/how-it-works.md, "Restore points", says why.
@@ -33,6 +34,18 @@ def checkpoint_finite(checkpoint: Dict[str, Any]) -> bool:
     """The one "is this checkpoint finite" rule: its model weights and its optimizer state."""
     return all_finite(iter_tensors(checkpoint.get("state_dict", checkpoint))) and all_finite(
         iter_tensors(checkpoint.get("optimizer", {})))
+
+
+def check_checkpoint(checkpoint: Dict[str, Any], what: str) -> None:
+    """Raises :class:`~..errors.UnsafeCheckpointError` if a checkpoint's model or optimizer tensors are not all
+    finite (a checkpoint being saved or loaded)."""
+    if checkpoint_finite(checkpoint):
+        return
+    bad = first_nonfinite(
+        (k, v) for k, v in dict(checkpoint.get("state_dict", {})).items() if isinstance(v, torch.Tensor))
+    raise UnsafeCheckpointError(
+        f"{what} holds non-finite values (first: {bad or 'optimizer state'}); refusing to use it. "
+        "Pick an earlier checkpoint; the incident log in the work dir says when training diverged.")
 
 
 @dataclass

@@ -7,10 +7,10 @@ from .dropout import DROPOUT_FLOAT_ATTRS, TRANSFORMER_CLASSES, zero_transformer_
 from .fp32 import apply_fp32, force_fp32, fp32_modules, is_fp32, release_fp32
 from .lr import scale_lr
 from .moments import exploded_params, reset_moments
-from .quarantine import QuarantineSampler, SkipList, install_quarantine
+from .quarantine import QuarantineSampler, SkipList
 from .temporal import GENERIC_RESET_CLASSES, TEMPORAL_RESET_METHODS, reset_temporal_state
 
 __all__ = ["Change", "tighten_clip", "DROPOUT_FLOAT_ATTRS", "TRANSFORMER_CLASSES", "zero_transformer_dropout",
            "apply_fp32", "force_fp32", "fp32_modules", "is_fp32", "release_fp32", "scale_lr", "exploded_params",
-           "reset_moments", "QuarantineSampler", "SkipList", "install_quarantine", "GENERIC_RESET_CLASSES",
+           "reset_moments", "QuarantineSampler", "SkipList", "GENERIC_RESET_CLASSES",
            "TEMPORAL_RESET_METHODS", "reset_temporal_state"]

@@ -7,12 +7,12 @@ the samples out of a batch for the incident record; :func:`resolve_indices` maps
 Torch only: MMEngine's and MMCV 1.x's samplers, data samples and ``DataContainer`` are duck-typed.
 """
 import math
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from ..samples import key as _key
 from .change import Change
 
-__all__ = ["SkipList", "QuarantineSampler", "QuarantineRefused", "install_quarantine", "quarantine_samples"]
+__all__ = ["SkipList", "QuarantineSampler", "QuarantineRefused", "quarantine_samples"]
 
 class SkipList:
     """Dataset indices quarantined for the rest of the run, bounded so that a bug cannot hide behind it.
@@ -128,33 +128,55 @@ class QuarantineSampler:
     every index of the scene (:func:`resolve_indices` with the ``scene_token``).
 
     Args:
-        sampler: the wrapped sampler or batch sampler (an iterable of indices, or of lists of indices).
+        sampler: the wrapped sampler or batch sampler (an iterable of indices, or of lists of indices), or an
+            iterator already under way (a loader's live index stream).
         skip: the quarantined indices (:class:`SkipList` or any container of ints).
+        on_pass: called with no argument as each pass over ``sampler`` starts (a new epoch's iterator). Defaults
+            to None.
+        on_yield: called with each item as it is yielded (what the loader fetches). Defaults to None.
     """
 
     _MAX_WAIT = 16
 
-    def __init__(self, sampler: Any, skip: Any) -> None:
-        self.sampler = sampler
+    def __init__(self, sampler: Any, skip: Any, on_pass: Optional[Callable[[], None]] = None,
+                 on_yield: Optional[Callable[[Any], None]] = None) -> None:
+        self.wrapped = sampler
         self.skip = skip
         self.replaced = 0
+        self.on_pass = on_pass
+        self.on_yield = on_yield
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("sampler", "skip", "replaced") or name.startswith("__"):
+        if name in ("wrapped", "skip", "replaced", "on_pass", "on_yield") or name.startswith("__"):
             raise AttributeError(name)  # not set yet (unpickling): never recurse into the wrapped sampler
-        return getattr(self.sampler, name)
+        return getattr(self.wrapped, name)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The callbacks belong to this process's tracker (a loader's workers pickle their sampler on spawn).
+        return dict(self.__dict__, on_pass=None, on_yield=None)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return len(self.wrapped)
 
     def _bad(self, index: Any) -> bool:
         return _key(index) in self.skip
 
     def __iter__(self) -> Iterator[Any]:
+        if self.on_pass is not None:
+            self.on_pass()
+        for item in self._substituted():
+            if self.on_yield is not None:
+                self.on_yield(item)
+            yield item
+
+    def _substituted(self) -> Iterator[Any]:
         last: Dict[int, Any] = {}
         queue: List[Tuple[bool, List[Any]]] = []
         seen = 0
-        for item in self.sampler:
+        for item in self.wrapped:
             is_batch = isinstance(item, list)
             indices = item if is_batch else [item]
             seen += len(indices)
@@ -193,34 +215,6 @@ class QuarantineSampler:
                 if value is _HOLE:
                     waiting[i] = index
                     self.replaced += 1
-
-
-def install_quarantine(loader: Any, skip: Any) -> QuarantineSampler:
-    """Puts a :class:`QuarantineSampler` into a torch ``DataLoader`` (MMEngine's and MMCV 1.x's are torch's).
-
-    Wraps the batch sampler's inner ``sampler`` where it has one (torch's ``BatchSampler``, mmdet's aspect-ratio
-    batch samplers), else the batch sampler itself (StreamPETR's group-each-sample batch sampler), else the
-    loader's sampler. Idempotent. Call it before the loader's first iterator is made (``before_train``): an
-    infinite sampler's iterator, made once, keeps the sampler it started with.
-
-    Returns:
-        The wrapper (an existing one when already installed).
-    """
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    if batch_sampler is not None and getattr(batch_sampler, "sampler", None) is not None:
-        owner, attr = batch_sampler, "sampler"
-    elif batch_sampler is not None:
-        owner, attr = loader, "batch_sampler"
-    else:
-        owner, attr = loader, "sampler"
-    current = getattr(owner, attr)
-    if isinstance(current, QuarantineSampler):
-        return current
-    wrapper = QuarantineSampler(current, skip)
-    # DataLoader refuses to set sampler/batch_sampler after construction (a guard against user mistakes); the
-    # wrapper yields the same number of indices, which is what that guard protects.
-    object.__setattr__(owner, attr, wrapper)
-    return wrapper
 
 
 class QuarantineRefused(ValueError):

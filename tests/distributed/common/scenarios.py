@@ -125,3 +125,35 @@ class AgreementScenarios:
                 ckpt = safe_load(source)
                 state = ckpt.get("nan_guard") or ckpt["meta"]["nan_guard"]  # MMEngine / MMCV 1.x
                 assert state["run_id"] == r0["guard"]["run_id"] != "an-older-run", source
+
+    @pytest.mark.parametrize("scenario", ["bad_box_rank1_fp32", "bad_box_rank1_dynamic"])
+    def test_a_bad_sample_on_one_rank_is_quarantined_alone_and_the_run_finishes(self, tmp_path: Any,
+                                                                             scenario: str) -> None:
+        # issue 21: rank 0's clean batch used to be named with rank 1's (its all-reduced gradient was NaN too), the
+        # quarantine passed its bound and the run stopped as structural.
+        from worker_common import BAD_BOX
+
+        r0, r1, records = self.run(scenario, tmp_path)  # the same weights and decisions on both ranks
+        assert r0["error"] is None and r0["iter"] == r1["iter"] > 0
+        assert not incidents(records)  # no rollback, no stop
+        recurring = [r for r in records if r["event"] == "recurring_sample"]
+        assert len(recurring) == 1 and recurring[0]["quarantined"]
+        assert recurring[0]["batch"] == [{"index": BAD_BOX, "rank": 1}]  # rank 1's bad sample, alone
+        quarantined = sorted(int(i) for i in r0["guard"]["policy"]["skip"]["indices"])
+        assert quarantined == sorted(int(i) for i in r1["guard"]["policy"]["skip"]["indices"]) == [BAD_BOX]
+        if "fp32" in scenario:  # every skip names rank 1's sample only
+            skips = [r for r in records if r["event"] == "skip"]
+            assert len(skips) == 2 and all(r["batch"] == [{"index": BAD_BOX, "rank": 1}] for r in skips)
+
+    def test_bad_pixels_on_one_rank_quarantine_that_sample_alone_within_a_realistic_bound(self, tmp_path: Any) -> None:
+        # issue 21: the four ids of both ranks' batches used to pass the bound and stop the run as structural.
+        from worker_common import BAD_BOX
+
+        r0, r1, records = self.run("bad_pixels_rank1_large", tmp_path)
+        assert r0["error"] is None and r0["iter"] == 24
+        (rec,) = incidents(records)
+        assert rec["event"] == "divergence" and rec["cause"]["cause"] == "data"
+        assert rec["cause"]["ranks"] == {"1": "data"} or rec["cause"]["ranks"]["1"] == "data"
+        assert rec["cause"]["signals"]["quarantined"] == [{"index": BAD_BOX, "rank": 1}]
+        assert sorted(int(i) for i in r0["guard"]["policy"]["skip"]["indices"]) == [BAD_BOX]
+

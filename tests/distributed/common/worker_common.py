@@ -23,6 +23,8 @@ CORRUPT_LABEL = -1
 #: iteration 4, and the data moves on through rollbacks as a real loader does. 128 samples: one epoch is 32 batches
 #: per rank, so no corrupt sample comes round again.
 CORRUPT = dict(rank=1, positions=[3, 4, 5, 6, 7, 8])
+#: The dataset index of the sample with a NaN box: odd, so rank 1 reads it (unshuffled, 2 ranks), in its 3rd batch.
+BAD_BOX = 9
 #: One iteration poisoned on several passes (a rollback brings the run back to it) spends one in-memory restore
 #: point per pass. No replay of the failing batch: its cause classification is not what the scenario is about.
 TO_DISK = dict(snapshot_interval=1000, confirm_steps=1000, check_interval=1000, diagnose=False)
@@ -56,6 +58,14 @@ def shared_scenarios(disk_checkpoint: Dict[str, Any]) -> Dict[str, Dict[str, Any
                                                   corrupt=CORRUPT, older_run=True)
            for scale, amp in (("static", 512.0), ("dynamic", "dynamic"), ("fp32", None))
            for suffix, guard in (("", {}), ("_no_replay", dict(diagnose=False)))},
+        # One sample with a NaN box (a degenerate annotation) read by rank 1 only, in every pass over the data: its
+        # step goes wrong once per pass. 64 samples: the default bound is 1 sample, as tight as it gets. Three
+        # passes of 16 iterations: it recurs in the second and is never read in the third.
+        **{f"bad_box_rank1_{scale}": dict(amp=amp, max_iters=48, n_samples=64, guard=GUARD, bad_box=BAD_BOX)
+           for scale, amp in (("fp32", None), ("dynamic", "dynamic"))},
+        # One sample with NaN pixels read by rank 1 only: its BatchNorm statistics turn NaN, a divergence at once.
+        # 2048 samples: the default bound of a realistic dataset (0.1%: 2 samples).
+        "bad_pixels_rank1_large": dict(amp=None, max_iters=24, n_samples=2048, guard=GUARD, bad_pixels=BAD_BOX),
     }
 
 
@@ -70,6 +80,8 @@ class Extras:
         self.corrupt: Optional[Dict[str, Any]] = kwargs.pop("corrupt", None)
         self.passes: Optional[Dict[str, Any]] = kwargs.pop("passes", None)
         self.older_run: bool = kwargs.pop("older_run", False)
+        self.bad_box: Optional[int] = kwargs.pop("bad_box", None)
+        self.bad_pixels: Optional[int] = kwargs.pop("bad_pixels", None)
         self.batch_size: int = kwargs.get("batch_size", 2)
 
     def apply(self, samples: List[Dict[str, Any]], net: torch.nn.Module) -> None:
@@ -79,6 +91,15 @@ class Extras:
             corrupt_labels(samples, self.corrupt["rank"], dist.get_world_size(), self.batch_size,
                            self.corrupt["positions"])
             fail_on_corrupt_labels(net)
+        if self.bad_box is not None:
+            box = samples[self.bad_box]["reg_t"].clone()
+            box[0] = float("nan")
+            samples[self.bad_box] = dict(samples[self.bad_box], reg_t=box)
+            fail_on_corrupt_labels(net)
+        if self.bad_pixels is not None:
+            pixels = samples[self.bad_pixels]["inputs"].clone()
+            pixels[:4] = float("nan")
+            samples[self.bad_pixels] = dict(samples[self.bad_pixels], inputs=pixels)
 
 
 def corrupt_labels(samples: List[Dict[str, Any]], rank: int, world_size: int, batch_size: int,
@@ -92,14 +113,14 @@ def corrupt_labels(samples: List[Dict[str, Any]], rank: int, world_size: int, ba
 
 
 def fail_on_corrupt_labels(net: torch.nn.Module) -> None:
-    """Makes ``net.losses`` NaN (and its gradients with it) on a batch holding a corrupt label, as a loss term
-    that the head does not wrap in ``nan_to_num`` does on a degenerate annotation."""
+    """Makes ``net.losses`` NaN (and its gradients with it) on a batch holding a corrupt label or a NaN box, as a loss
+    term that the head does not wrap in ``nan_to_num`` does on a degenerate annotation."""
     losses = net.losses
 
     def checked(inputs: torch.Tensor, cls_t: torch.Tensor, reg_t: torch.Tensor) -> Dict[str, torch.Tensor]:
         corrupt = cls_t == CORRUPT_LABEL
-        out = losses(inputs, cls_t.masked_fill(corrupt, 0), reg_t)
-        if bool(corrupt.any()):
+        out = losses(inputs, cls_t.masked_fill(corrupt, 0), torch.nan_to_num(reg_t))
+        if bool(corrupt.any()) or not bool(torch.isfinite(reg_t).all()):
             out = {k: v * float("nan") for k, v in out.items()}
         return out
 

@@ -1,0 +1,110 @@
+"""The batch of each iteration on this rank: which dataset samples it holds, the last one known good, and which
+samples a step that went wrong is blamed on, agreed across ranks.
+
+Healthy steps pay host work only: a list lookup for the batch's indices (:class:`~.tracking.SampleTracker`) and a
+reference to the batch and its RNG state, kept one iteration longer as *the last good batch*, the counterfactual
+of a diagnosis (a batch known to be good, replayed on the same healthy weights, tells a bug from bad data).
+"""
+from typing import Any, Callable, Dict, List, Optional
+
+from . import distributed
+from .diagnosis import diagnose
+from .port import GuardIO
+from .samples import named_samples, suspect_rows
+from .tracking import SampleTracker
+
+__all__ = ["BatchWatch"]
+
+
+class BatchWatch:
+    """The batches of one run on this rank.
+
+    Args:
+        io: the runner adapter.
+    """
+
+    def __init__(self, io: GuardIO) -> None:
+        self.io = io
+        self.tracker = SampleTracker(skip=set())
+        #: The running iteration's batch (a reference), its RNG state (a host copy) and dataset indices.
+        self.batch: Any = None
+        self.rng: Optional[Dict[str, Any]] = None
+        self.indices: Optional[List[int]] = None
+        #: The newest batch whose step was healthy, with its RNG state and 1-based iteration.
+        self.good_batch: Any = None
+        self.good_rng: Optional[Dict[str, Any]] = None
+        self.good_iteration: Optional[int] = None
+        self.attached = False
+
+    def attach(self, skip: Any, log: Callable[..., None]) -> None:
+        """Tracks the training loader's indices (and applies ``skip`` to them) once the loader exists."""
+        if self.attached:
+            return
+        loader = self.io.train_loader()
+        if loader is None:
+            return
+        self.attached = True
+        self.tracker.skip = skip
+        if self.tracker.install(loader):
+            self.tracker.adopt(self.io.live_loader_iterator())
+        else:
+            log(f"NanGuard: samples are named by the ids the data carries only: {self.tracker.unknowable}",
+                "warning")
+
+    def begin(self, batch: Any, rng: Optional[Dict[str, Any]]) -> None:
+        """As an iteration starts (host work only)."""
+        self.batch, self.rng = batch, rng
+        self.indices = self.tracker.current()
+
+    def end(self, iteration: int, healthy: bool) -> None:
+        """As the iteration's verdict is known: a healthy step's batch becomes the last good batch."""
+        if healthy and self.batch is not None:
+            self.good_batch, self.good_rng, self.good_iteration = self.batch, self.rng, iteration
+        self.batch = self.rng = self.indices = None
+
+    def epoch_of(self, iteration: int) -> int:
+        """The pass over the data an iteration belongs to: every ``len(dataset)`` samples (all ranks) is one, so
+        iteration-based loops count too; the runner's epoch where that cannot be worked out."""
+        size = self.io.dataset_size()
+        per_iteration = len(self.samples()) * distributed.get_world_size()
+        if size and per_iteration:
+            return (iteration - 1) * per_iteration // size
+        return self.io.counter()[1]
+
+    # ------------------------------------------------------------------ naming samples
+    def samples(self) -> List[Dict[str, Any]]:
+        """The samples of the batch in hand: dataset ``index`` where known, and the ids the data carries."""
+        return named_samples(self.indices, self.batch)
+
+    def suspects(self, fp16: bool) -> List[Dict[str, Any]]:
+        """The samples of the batch in hand to blame: those whose own values are non-finite (or out of fp16's range
+        under fp16) where only some are, else all of them."""
+        samples = self.samples()
+        rows = suspect_rows(self.batch, len(samples), fp16) if samples else []
+        return [samples[r] for r in rows] if rows else samples
+
+    def flagged(self, fp16: bool) -> List[Dict[str, Any]]:
+        """Only the samples whose own values are non-finite or out of fp16's range (none where every row or no row
+        is): what an fp16 overflow, ordinary as most are, can be blamed on."""
+        samples = self.samples()
+        rows = suspect_rows(self.batch, len(samples), fp16) if samples else []
+        return [samples[r] for r in rows]
+
+    def replays_broken(self) -> bool:
+        """This rank's batch re-run alone (forward and backward, rank-local) on the live weights is non-finite: its own
+        batch broke, not only the all-reduced gradient it received. False where it cannot be re-run."""
+        forward = self.io.rerun_forward(self.batch) if self.batch is not None else None
+        if forward is None:
+            return False
+        try:
+            return bool(diagnose(self.io.model(), forward, rng_state=self.rng, fp32_check=False)["reproduced"])
+        except Exception:  # evidence only: a failed re-run blames nobody
+            return False
+
+    def agree_broken(self, broke: bool, samples: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The samples of every rank whose own batch broke, in rank order, the same list on every rank (one gather).
+        Each sample carries its ``rank`` where there is more than one."""
+        views = distributed.gather(samples if broke else [])
+        if len(views) == 1:
+            return list(views[0])
+        return [dict(s, rank=r) for r, part in enumerate(views) for s in part]
