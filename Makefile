@@ -28,7 +28,7 @@ test-mmengine: env-mmengine
 
 test-mmcv1: env-mmcv1
 	PETR_STABILITY_CUDA_REHEARSAL=1 .venv-mmcv1/bin/python -m pytest -q tests/core tests/contract tests/mmcv1 tests/distributed/mmcv1 \
-	  tests/cuda
+	  tests/cuda tests/cli/test_patch_config.py tests/cli/test_preflight.py tests/cli/test_cli.py
 
 # The cuda group on this machine's GPU, in each environment (benchmarks/gpu_check.sh does it on a bare GPU machine).
 test-cuda: envs

@@ -4,8 +4,10 @@ Many PETR environments hold both (mmdet3d 0.x on mmcv-full 1.x, plus mmengine pu
 family is imported only where its own import works, and one family failing to import never hides the other:
 the reason is kept in :data:`IMPORT_ERRORS`.
 """
+import contextlib
+import logging
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 __all__ = ["NanGuardHook", "FaultInjectionHook", "RUNNER_FAMILY", "RUNNER_FAMILIES", "IMPORT_ERRORS"]
 
@@ -19,9 +21,26 @@ RUNNER_FAMILY: Optional[str] = None
 IMPORT_ERRORS: Dict[str, str] = {}
 
 
+@contextlib.contextmanager
+def _quiet_mmcv1_import() -> Iterator[None]:
+    """Importing MMCV 1.x announces its 2.0 release (a UserWarning) and makes torch log where CUDA_HOME is: neither is
+    about the run, and ``petr-stability --version`` must print the version only. Only those two, only during this
+    import (a training script has imported mmcv long before this line)."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="On January 1, 2023, MMCV will release v2.0.0")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def _mmcv_major() -> Optional[int]:
     try:
-        import mmcv
+        with _quiet_mmcv1_import():
+            import mmcv
     except ImportError:
         return None
     return int(str(getattr(mmcv, "__version__", "0")).split(".")[0] or 0)
@@ -39,7 +58,8 @@ def _register_mmengine() -> Tuple[Any, Any]:
 
 
 def _register_mmcv1() -> Tuple[Any, Any]:
-    from mmcv.runner import HOOKS
+    with _quiet_mmcv1_import():
+        from mmcv.runner import HOOKS
 
     from .adapters.mmcv1_runner.faults import FaultInjectionHook as Faults
     from .adapters.mmcv1_runner.hook import NanGuardHook as Guard

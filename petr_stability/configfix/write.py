@@ -166,21 +166,14 @@ def _child_text(patched: Dict[str, Any], original: str, fix: ConfigFix, changes:
     return text
 
 
-def _resolve_fix(fix: Optional[ConfigFix], max_norm: Optional[float]) -> ConfigFix:
-    if fix is not None and max_norm is not None:
-        raise TypeError("pass fix=ConfigFix(...) or max_norm=, not both")
-    if fix is None and max_norm is None:
-        raise TypeError("write_patched_config needs fix=ConfigFix(...): the changes the run made")
-    if fix is None:
-        return ConfigFix.known_manual_fix(max_norm)  # the driver's call before ConfigFix existed
+def _check_fix(fix: Any) -> ConfigFix:
     if not isinstance(fix, ConfigFix):
         raise TypeError(f"fix must be a ConfigFix, got {fix!r}")
     return fix
 
 
-def write_patched_config(cfg: Any, out_path: str, fix: Optional[ConfigFix] = None,
-                         original_path: Optional[str] = None, base_dir: Optional[str] = None, *,
-                         max_norm: Optional[float] = None, loader: Optional[str] = None,
+def write_patched_config(cfg: Any, out_path: str, fix: ConfigFix, original_path: Optional[str] = None,
+                         base_dir: Optional[str] = None, *, loader: Optional[str] = None,
                          child: bool = True) -> PatchResult:
     """Writes the run's effective config with exactly ``fix`` applied (and the fire drill removed).
 
@@ -197,14 +190,13 @@ def write_patched_config(cfg: Any, out_path: str, fix: Optional[ConfigFix] = Non
         original_path: the config file the run was started from, for a child config. Defaults to None (the
             file itself when ``cfg`` is a path; else a flat file).
         base_dir: where relative ``_base_`` paths of config *text* are resolved. Defaults to the working dir.
-        max_norm: transition only: ``ConfigFix.known_manual_fix(max_norm)`` for callers that predate ``fix``.
         loader: ``'mmengine'`` or ``'mmcv'`` for reading files and text. Defaults to None (the default loader).
         child: write a child config where one can be. Defaults to True (False: always flat, as the CLI writes).
 
     Returns:
         A :class:`PatchResult`.
     """
-    fix = _resolve_fix(fix, max_norm)
+    fix = _check_fix(fix)
     out_path = _check_out(out_path)
     src = read_config(cfg, base_dir, loader)
     original = (original_path if original_path is not None else src.path) if child else None

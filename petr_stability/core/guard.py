@@ -184,7 +184,7 @@ class NanGuard:
             signals.loss_scale = self.io.loss_scale()
 
     def _on_healthy(self, grad_norm: Optional[float], iteration: int, snapshot_due: bool) -> None:
-        self._watch_grad_norm(grad_norm)
+        self._watch_grad_norm(grad_norm, iteration)
         self.points.ring.tick()
         self.chain.close_if_held()
         if snapshot_due:
@@ -192,11 +192,11 @@ class NanGuard:
             self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.recoveries,
                                                   lr_factor=self.policy.lr_factor))
 
-    def _watch_grad_norm(self, grad_norm: Optional[float]) -> None:
+    def _watch_grad_norm(self, grad_norm: Optional[float], iteration: int) -> None:
         # The early warning and the adaptive clip read the host float the runner logged: no device read.
         if grad_norm is None:
             return
-        warning = self.spikes.observe(grad_norm)
+        warning = self.spikes.observe(grad_norm, iteration)
         if warning:
             self.io.log(f"NanGuard: early warning: {warning}", "warning")
         if self.config.adaptive_clip and self.spikes.ready:

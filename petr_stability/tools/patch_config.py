@@ -1,20 +1,13 @@
 """``petr-stability patch-config``: the argparse entry point that writes the known manual fix into a config."""
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Tuple
 
-from ..configfix import ConfigChange, ConfigFix, apply_fix, format_changes, load_config, write_patched_config
+from ..configfix import ConfigFix, format_changes, load_config, write_patched_config
 
-# load_config / write_patched_config / patch_config_dict: for adapters/driver.py and tests/mmengine until they import
-# petr_stability.configfix.
-__all__ = ["main", "load_config", "write_patched_config", "patch_config_dict"]
+__all__ = ["main"]
 
 #: ``CONFIG.bak``, then ``CONFIG.bak.1``, ``.2``, ...: an --in-place run never overwrites an earlier backup.
 _MAX_BACKUPS = 1000
-
-
-def patch_config_dict(cfg: Dict[str, Any], max_norm: float = 1.0) -> Tuple[List[ConfigChange], List[str], str]:
-    """Transition only (tests/mmengine, the driver): ``apply_fix(cfg, ConfigFix.known_manual_fix(max_norm))``."""
-    return apply_fix(cfg, ConfigFix.known_manual_fix(max_norm))
 
 
 def _backup(config: str) -> str:

@@ -1,10 +1,9 @@
 """``petr-stability check``: the argparse entry point of the pre-flight check (:mod:`petr_stability.configfix`)."""
 from typing import Any
 
-from ..configfix.preflight import check_file, check_runner_config, format_findings, log_findings
+from ..configfix.preflight import check_file, format_findings
 
-# check_runner_config / log_findings: re-exported for adapters/driver.py until it imports petr_stability.configfix.
-__all__ = ["main", "check_runner_config", "log_findings"]
+__all__ = ["main"]
 
 
 def main(args: Any) -> int:

@@ -634,20 +634,12 @@ def test_config_fix_errors_name_the_bad_value(kwargs, message):
         ConfigFix(**kwargs)
 
 
-def test_write_patched_config_takes_a_fix_or_the_drivers_max_norm(tmp_path):
+def test_write_patched_config_takes_a_fix(tmp_path):
     cfg = load_config(os.path.join(DATA, "mmcv1_petr.py"))
-    old_call = write_patched_config(cfg, str(tmp_path / "a.py"), max_norm=0.5)  # adapters/driver.py's call today
-    assert old_call.fix == ConfigFix.known_manual_fix(0.5) and old_call.kind == "flat"
-    assert hasattr(old_call, "changes") and hasattr(old_call, "notes")
-    with pytest.raises(TypeError, match="needs fix=ConfigFix"):
-        write_patched_config(cfg, str(tmp_path / "b.py"))
-    with pytest.raises(TypeError, match="not both"):
-        write_patched_config(cfg, str(tmp_path / "b.py"), KNOWN, max_norm=1.0)
     with pytest.raises(TypeError, match="fix must be a ConfigFix, got 1.0"):
         write_patched_config(cfg, str(tmp_path / "b.py"), 1.0)
-    from petr_stability.tools.patch_config import write_patched_config as via_tools
-
-    assert via_tools is write_patched_config  # the import path the driver uses still works
+    result = write_patched_config(cfg, str(tmp_path / "a.py"), ConfigFix.known_manual_fix(0.5))
+    assert result.fix == ConfigFix.known_manual_fix(0.5) and hasattr(result, "changes") and hasattr(result, "notes")
 
 
 # ------------------------------------------------------------------ layout (issue 23)

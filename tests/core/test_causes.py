@@ -474,3 +474,21 @@ def test_agree_over_a_process_group(tmp_path):
         assert _agree(None).cause == Cause.UNKNOWN
     finally:
         dist.destroy_process_group()
+
+
+def test_how_it_works_writes_out_the_one_cause_table():
+    # docs/how-it-works.md's table is CAUSE_TABLE with the default lr_backoff: the policy, the log line and the
+    # incident record read the code's, and this keeps the doc the same.
+    from petr_stability.core.causes import CAUSE_TABLE
+    from petr_stability.core.config import GuardConfig
+    from petr_stability.core.recovery.policy import CausePolicy
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "how-it-works.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    table = text.split("| signal in the replay | class | action |", 1)[1].split("\n\n", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in table.strip().splitlines()[1:]]
+    policy = CausePolicy(GuardConfig())
+    assert rows == [[r.signal, r.label, policy.action_text(r.cause)] for r in CAUSE_TABLE]
+    assert "lr x 0.25" in CausePolicy(GuardConfig(lr_backoff=0.25)).action_text(Cause.DYNAMICS).replace(
+        "learning rate", "lr")

@@ -19,7 +19,7 @@ from petr_stability.core.faults import arm_grad_fault, poison_weights
 from petr_stability.core.remedies import Change
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "incidents.md")
-EVENTS = ("divergence", "stalled", "gave_up", "skip", "nonfinite_loss")
+EVENTS = ("divergence", "stalled", "gave_up", "skip", "nonfinite_loss", "recurring_sample")
 #: Fields whose value is an object (or a list of objects) that the table documents key by key.
 NESTED = ("signals", "restored_from", "actions", "cause")
 
@@ -110,7 +110,7 @@ class LoopIO(TorchLoopIO):
         return Change("loss_scale", "static 512", "dynamic")
 
     def rerun_forward(self, batch: Any) -> Optional[Callable[[], Any]]:
-        return None if batch is None else (lambda: {"loss": self.net(batch)})
+        return None if batch is None else (lambda: {"loss": self.net(batch["x"])})
 
 
 Plant = Callable[[LoopIO], Optional[float]]  # plants a fault; may return the loss value the loop should report
@@ -123,15 +123,17 @@ def run(work_dir: str, iters: int, plan: Dict[int, Plant], mode: str = "none", *
     driver.bind(io)
     driver.start()
     torch.manual_seed(1)
-    data = [torch.randn(4, 2, 8) for _ in range(8)]
+    # Batches carrying the dataset index of their one sample, as a collated dict does: the loop has no loader.
+    data = [{"x": torch.randn(4, 2, 8), "index": torch.tensor([i])} for i in range(8)]
     step = 0
     while io.iter < iters:
         batch = data[step % len(data)]
+        io.epoch = step // len(data)
         step += 1
         driver.before_iter(batch)
         plant = plan.pop(io.iter + 1, None)  # once: a rollback brings the number round again
         reported = plant(io) if plant else None
-        loss = io.net(batch)
+        loss = io.net(batch["x"])
         io.opt.zero_grad()
         loss.backward()
         norm = io.clip(io.net.parameters())
@@ -165,6 +167,8 @@ def produce(event: str, work_dir: str) -> List[Dict[str, Any]]:
         run(work_dir, 8, {n: inf_grads for n in range(2, 7)}, mode="static", static_patience=5)
     elif event == "divergence":
         run(work_dir, 9, {1: nan_weights, 7: nan_weights})  # from the start state, then from a snapshot
+    elif event == "recurring_sample":
+        run(work_dir, 12, {3: inf_grads, 11: inf_grads})  # the sample of index 2, in epochs 0 and 1
     elif event == "gave_up":
         with pytest.raises(NanGuardGaveUp):
             run(work_dir, 6, {4: nan_weights}, max_recoveries=0)
@@ -220,3 +224,12 @@ def test_iterations_follow_the_one_convention(records):
     assert second["diagnosis"]["first"]["where"] == "parameter" and second["cause"]["cause"] == "dynamics"
     gave_up, = records["gave_up"]
     assert gave_up["iteration"] == 4 and gave_up["recoveries"] == 0 and "max_recoveries=0" in gave_up["why"]
+
+
+def test_a_recurring_sample_is_named_once_by_its_index(records):
+    skips = [r for r in records["recurring_sample"] if r["event"] == "skip"]
+    assert [r["batch"] for r in skips] == [[{"index": 2}], [{"index": 2}]]
+    (rec,) = [r for r in records["recurring_sample"] if r["event"] == "recurring_sample"]
+    assert rec["iteration"] == 11 and rec["batch"] == [{"index": 2}]
+    assert rec["quarantined"] is False and "no training loader" in rec["reason"]  # a loop without a loader
+

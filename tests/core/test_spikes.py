@@ -41,8 +41,8 @@ def test_no_warning_during_warmup_and_on_steady_values():
 def test_warns_once_when_a_spike_starts_and_again_after_it_ends():
     monitor = GradNormMonitor(window=20, z=3.0, warmup=5)
     _feed(monitor, [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02])
-    first = monitor.observe(10.0)
-    assert first is not None and "grad_norm spike" in first and "10" in first
+    first = monitor.observe(10.0, iteration=9)
+    assert first is not None and first.startswith("grad_norm spike at iter 9: 10 >") and "9.98 x the mean" in first
     assert monitor.observe(12.0) is None  # the same spike goes on: no second warning
     assert monitor.observe(1.0) is None  # back under the bound
     assert monitor.observe(11.0) is not None  # a new spike starts
@@ -97,3 +97,13 @@ def test_state_round_trip_and_old_state_loads():
     small = GradNormMonitor(window=2, z=2.5, warmup=2)
     small.load_state_dict(state)
     assert small.state_dict()["values"] == state["values"][-2:]
+
+
+def test_a_spike_is_warned_about_only_when_it_is_also_three_times_the_mean():
+    # Heavy-tailed but healthy: a value past mean + 3 std, yet under 3 x the mean, is not a spike to warn about.
+    monitor = GradNormMonitor(window=20, z=3.0, warmup=5)
+    _feed(monitor, [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0, 1.01])
+    assert monitor.observe(1.5, iteration=9) is None and monitor.in_spike  # the bound, not the warning
+    assert monitor.observe(1.0) is None
+    assert monitor.observe(3.5, iteration=11) is not None
+

@@ -44,3 +44,71 @@ def test_an_edit_to_the_file_after_launch_does_not_leak_in(tmp_path):
     patched, _ = _run(tmp_path, edit_file_after_launch=True)
     # The patched file says what the run trained with, whatever the file on disk says now.
     assert patched.train_dataloader.batch_size == 2 and patched.train_dataloader.num_workers == 2
+
+
+def _flat(node, path=""):
+    """Every leaf of a config as dotted path -> value (list items by index)."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{path}.{k}" if path else str(k)))
+        return out
+    if isinstance(node, (list, tuple)):
+        out = {}
+        for i, v in enumerate(node):
+            out.update(_flat(v, f"{path}[{i}]"))
+        return out or {path: []}
+    return {path: node}
+
+
+def _diff(before, after):
+    a, b = _flat(before), _flat(after)
+    return {k: (a.get(k, "<absent>"), b.get(k, "<absent>")) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+def _incident_run(tmp_path, kind):
+    """One incident of ``kind`` under a config with the hook (and nothing else to remove); the effective and the
+    patched config as dicts, the incident record."""
+    from petr_stability.testing.causes_models import overflow_layer_cfg
+
+    layer = overflow_layer_cfg() if kind == "forward_overflow" else SEED_LAYER_CFG
+    src = tmp_path / "cfg.py"
+    src.write_text(CONFIG.format(layer=repr(layer)).replace(
+        "custom_hooks = [dict(type='FaultInjectionHook', faults=[dict(kind='weights', iters=[12])]), "
+        "dict(type='NanGuardHook')]", "custom_hooks = [dict(type='NanGuardHook')]"))
+    cfg = Config.fromfile(str(src))
+    faults = {"data": [dict(kind="batch", iters=[5], value=1e6)], "forward_overflow": [],
+              "dynamics": [dict(kind="weights", iters=[12], value="nan")]}[kind]
+    amp = dict(init_scale=1.0) if kind == "data" else dict(init_scale=8.0) if kind == "forward_overflow" else "dynamic"
+    wd = tmp_path / "wd"
+    runner = build_runner(str(wd), amp=amp, max_iters=16, faults=faults, cfg=cfg,
+                          guard=dict(snapshot_interval=5, confirm_steps=3, quarantine_fraction=0.05),
+                          model_kwargs=dict(num_layers=1, num_query=16, layer_cfg=layer))
+    runner.train()
+    (rec,) = [r for r in read_incidents(str(wd)) if r["event"] == "divergence"]
+    assert rec["cause"]["cause"] == kind, rec["cause"]
+    patched = wd / "nan_guard_patched_config.py"
+    return cfg.to_dict(), Config.fromfile(str(patched)).to_dict(), patched.read_text(), rec
+
+
+def test_a_data_incident_writes_the_quarantine_and_nothing_else(tmp_path):
+    before, after, text, rec = _incident_run(tmp_path, "data")
+    indices = sorted(s["index"] for s in rec["cause"]["signals"]["quarantined"])
+    assert _diff(before, after) == {"custom_hooks[0].quarantine[0]": ("<absent>", indices[0]),
+                                    "custom_hooks[0].quarantine[1]": ("<absent>", indices[1])}
+    assert "2 sample(s) quarantined" in text and "max_norm" not in text.split("\n_base_")[0]
+
+
+def test_a_forward_overflow_writes_the_fp32_module_and_nothing_else(tmp_path):
+    before, after, text, rec = _incident_run(tmp_path, "forward_overflow")
+    (module,) = rec["cause"]["modules"]
+    assert _diff(before, after) == {"custom_hooks[0].fp32_modules[0]": ("<absent>", module)}
+    assert f"fp32: {module}" in text
+
+
+def test_a_dynamics_incident_writes_the_known_manual_fix_as_applied(tmp_path):
+    before, after, text, rec = _incident_run(tmp_path, "dynamics")
+    changed = _diff(before, after)
+    assert changed.pop("optim_wrapper.clip_grad.max_norm") == (35, 1)
+    assert changed and all(new == 0 and old > 0 and "dropout" in path for path, (old, new) in changed.items())
+    assert "the known manual fix (transformer dropout 0, max_norm 1)" in text

@@ -202,8 +202,10 @@ class CausePolicy:
 
     def quarantine_recurring(self, io: GuardIO, indices: List[int], iteration: int) -> Tuple[List[Change], str]:
         """Quarantines samples that recurred (within the bound); the changes, or none and why."""
-        if not self.enabled(Cause.DATA) or self.skip is None:
+        if not self.enabled(Cause.DATA):
             return [], "the quarantine remedy is off"
+        if self.skip is None:
+            return [], "no training loader to quarantine through"
         try:
             return quarantine_samples(self.skip, indices, {"iteration": iteration, "recurring": True}), ""
         except QuarantineRefused as exc:
@@ -282,7 +284,9 @@ class CausePolicy:
         evidence = c.signals.get("evidence_cause")
         as_seen = Classification(Cause(evidence), c.evidence, c.modules) if evidence else c
         self.history.record(as_seen, iteration, restored_to)
-        self.history.incidents[-1]["quarantined"] = bool(c.signals.get("quarantined"))
+        # Samples taken, or named but refused for the bound: either way the next batch breaking at once shows every
+        # batch breaks. Samples that could not be named at all (an iterable dataset without ids) prove nothing.
+        self.history.incidents[-1]["quarantined"] = bool(c.signals.get("quarantined") or c.signals.get("refused"))
 
     def known_fix_in_effect(self, io: GuardIO, incident: int) -> bool:
         """Every enabled setting of the known manual fix is in force already (max_norm at or below its target,
@@ -302,10 +306,14 @@ class CausePolicy:
         try:
             changes = quarantine_samples(self.skip, indices, {"iteration": c.signals.get("iteration")})
         except QuarantineRefused as exc:
-            self.history.mark_spent(Cause.DATA, f"the skip list is full ({self.skip.capacity} samples)")
-            c.signals.update(evidence_cause=Cause.DATA.value, refused=list(ids))
-            c.cause = Cause.STRUCTURAL
-            c.evidence += f"; {exc}"
+            c.signals["refused"] = list(ids)
+            if self.skip.full:  # earlier incidents took the whole bound: too much bad data to be data
+                self.history.mark_spent(Cause.DATA, f"the skip list is full ({self.skip.capacity} samples)")
+                c.signals["evidence_cause"] = Cause.DATA.value
+                c.cause = Cause.STRUCTURAL
+                c.evidence += f"; {exc}, and the list is full"
+            else:  # the batch is larger than the room left: skipped, nothing quarantined (a second one: structural)
+                c.evidence += f"; {exc}: nothing quarantined, the batch is skipped"
             return []
         c.signals["quarantined"] = list(ids)
         return changes
