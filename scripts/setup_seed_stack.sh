@@ -70,11 +70,17 @@ plugin_deps() {
   pip_in --no-deps --no-build-isolation -e .
 }
 
+train_deps() {
+  # mmdet3d.datasets (which the projects' training imports, unlike mmdet3d.models) imports pandas (lyft_dataset).
+  pip_in pandas
+}
+
 check() {
   "$env/bin/python" - <<'EOF'
 import mmcv, mmdet, mmseg, mmdet3d, torch
 from mmcv.ops import nms  # compiled CPU ops
 import mmdet3d.models  # noqa: F401
+import mmdet3d.datasets, mmdet3d.apis  # noqa: F401,E401  (what tools/train.py of both projects imports)
 import petr_stability  # noqa: F401
 print(f'[seed-stack] torch {torch.__version__}, mmcv-full {mmcv.__version__}, mmdet {mmdet.__version__}, '
       f'mmseg {mmseg.__version__}, mmdet3d {mmdet3d.__version__}')
@@ -86,6 +92,7 @@ step mmcv-full mmcv_full
 step mmdet-mmseg mmdet_mmseg
 step mmdet3d mmdet3d_rc6
 step plugin-deps plugin_deps
+step train-deps train_deps
 check
 echo "[seed-stack] $env ready in $((SECONDS - t_start)) s, $(du -sh "$env" | cut -f1) on disk"
 echo "$stamp" > "$env/.stamp"

@@ -1,0 +1,199 @@
+"""The CPU stand-ins the real StreamPETR / PETR code needs to train without a GPU, all scoped and undone.
+
+Nothing here changes what the projects' code computes; it only replaces what a CPU machine lacks:
+
+- ``flash_attn``: StreamPETR's ``models/utils/attention.py`` imports it at module level. A stub package is put in
+  ``sys.modules`` whose functions raise if anything calls them: the test configs swap the config's
+  ``PETRMultiheadFlashAttention`` for the plugin's own ``PETRMultiheadAttention(fp16=True)``, as StreamPETR's
+  2080Ti config does, so the stub is never run.
+- ``.cuda()``: the plugins call it on tensors they build (``prepare_for_dn``, ``GridMask``) and the training entry
+  points on the model (StreamPETR's ``custom_train_detector``, mmdet3d 1.0.0rc6's ``train_detector``, which PETR's
+  ``tools/train.py`` calls). It returns its argument unchanged, but only when called from a file of the clone or
+  from ``mmdet3d/apis/train.py``; everywhere else it is torch's own (and fails without a GPU, as it should).
+- MMCV's fp16: ``@auto_fp16`` / ``@force_fp32`` open ``torch.cuda.amp.autocast``, which does nothing on a CPU.
+  ``mmcv.runner.fp16_utils.autocast`` becomes CPU fp16 autocast, so exactly the GPU's fp16 regions run in fp16:
+  the ``@auto_fp16`` methods (backbone + neck, the transformer) in fp16, the ``@force_fp32`` islands (the
+  detector's ``forward``, the heads' losses) in fp32, as on a GPU (``islands=True``). ``islands=False`` is the
+  first emulation the issue tried: every forward of the detector under fp16 autocast and ``@force_fp32`` no
+  longer switching it off, a forward that overflows on every batch in StreamPETR's position encoding.
+
+- fp16 convolution backward: torch's CPU kernel for it is a slow fallback (measured here: 88 s for the backward
+  of ResNet-50 on 12 images of 64 x 176, against 0.6 s in fp32). Under CPU fp16 autocast ``F.conv2d`` becomes
+  the same fp16 convolution forward (torch's own kernel) whose backward is computed in fp32 from the same fp16
+  tensors and rounded to fp16, as a GPU's fp16 convolution backward accumulates in fp32 and writes fp16 (an
+  overflow still becomes Inf). On a small convolution its gradients are bit-identical to torch's fp16 kernel.
+
+The GradScaler is the package's ``CPUFp16OptimizerHook`` (MMCV's ``Fp16OptimizerHook`` with a CPU GradScaler),
+named in the config as ``optimizer_config.type``; it needs no patch.
+"""
+import contextlib
+import functools
+import os
+import sys
+import types
+from typing import Any, Callable, Iterator, List, Tuple
+
+import torch
+
+__all__ = ["cpu_stand_ins", "flash_attn_stub", "StandIns", "wrap_forward"]
+
+
+def flash_attn_stub() -> List[Tuple[str, types.ModuleType]]:
+    """The ``flash_attn`` modules StreamPETR's attention.py imports; every function raises when called."""
+
+    def unavailable(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"flash_attn.{name} is a CPU test stub: the config must not use flash attention "
+                               "(tests_seed swaps PETRMultiheadFlashAttention for PETRMultiheadAttention(fp16=True))")
+
+        return call
+
+    root = types.ModuleType("flash_attn")
+    iface = types.ModuleType("flash_attn.flash_attn_interface")
+    iface.flash_attn_unpadded_kvpacked_func = unavailable("flash_attn_unpadded_kvpacked_func")
+    padding = types.ModuleType("flash_attn.bert_padding")
+    for name in ("unpad_input", "pad_input", "index_first_axis"):
+        setattr(padding, name, unavailable(name))
+    root.flash_attn_interface = iface
+    root.bert_padding = padding
+    return [("flash_attn", root), ("flash_attn.flash_attn_interface", iface), ("flash_attn.bert_padding", padding)]
+
+
+class _HalfConv2d(torch.autograd.Function):
+    """An fp16 convolution: torch's fp16 forward, the backward computed in fp32 and rounded to fp16."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: Any, stride: Any, padding: Any, dilation: Any,
+                groups: int) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.conf = (stride, padding, dilation, groups, b is not None)
+        with torch.autocast("cpu", enabled=False):
+            return _CONV2D[0](x, w, b, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Any, ...]:
+        from torch.nn.modules.utils import _pair
+
+        x, w = ctx.saved_tensors
+        stride, padding, dilation, groups, has_bias = ctx.conf
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad.float(), x.float(), w.float(), [w.shape[0]] if has_bias else None, _pair(stride), _pair(padding),
+            _pair(dilation), False, [0, 0], groups, mask)
+        half = [g.half() if g is not None else None for g in (gx, gw, gb)]
+        return (half[0], half[1], half[2], None, None, None, None)
+
+
+#: torch's own F.conv2d while the stand-in is installed.
+_CONV2D: List[Callable[..., torch.Tensor]] = []
+
+
+def _conv2d(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, stride: Any = 1, padding: Any = 0,
+            dilation: Any = 1, groups: int = 1) -> torch.Tensor:
+    fp16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+    if (fp16 or input.dtype == torch.float16) and not isinstance(padding, str):
+        # What CPU autocast does for conv2d (every operand to fp16), then the fp16 convolution.
+        return _HalfConv2d.apply(input.half(), weight.half(), None if bias is None else bias.half(), stride,
+                                 padding, dilation, groups)
+    return _CONV2D[0](input, weight, bias, stride, padding, dilation, groups)
+
+
+def _cpu_autocast(islands: bool) -> Callable[..., Any]:
+    """What ``mmcv.runner.fp16_utils.autocast`` becomes: MMCV calls ``autocast(enabled=True)`` in
+    ``@auto_fp16`` and ``autocast(enabled=False)`` in ``@force_fp32``."""
+
+    def autocast(enabled: bool = True, **kwargs: Any) -> Any:
+        if not enabled and not islands:
+            return contextlib.nullcontext()  # the island is not honoured: whatever autocast is on stays on
+        return torch.autocast("cpu", dtype=torch.float16, enabled=enabled)
+
+    return autocast
+
+
+@contextlib.contextmanager
+def cpu_stand_ins(clone_root: str, islands: bool = True) -> Iterator["StandIns"]:
+    """Applies the stand-ins for the duration of the block and undoes every one of them on the way out.
+
+    Args:
+        clone_root: the project's clone; ``.cuda()`` is the identity only for calls from its files (and from
+            mmdet3d's training entry point).
+        islands: True: GPU semantics (``@force_fp32`` switches autocast off). False: ``@force_fp32`` leaves
+            autocast on, and :meth:`StandIns.whole_forward` puts a detector's whole forward under fp16 autocast.
+
+    Yields:
+        A :class:`StandIns` (the detector classes exist only once the plugin is imported, inside the block).
+    """
+    import mmdet3d.apis.train as mmdet3d_train
+    from mmcv.runner import fp16_utils
+
+    root = os.path.realpath(clone_root) + os.sep
+    entry = os.path.realpath(mmdet3d_train.__file__)
+    undo: List[Callable[[], None]] = []
+
+    # flash_attn: only where the environment has none (a GPU machine with the real one keeps it).
+    for name, module in flash_attn_stub():
+        if name not in sys.modules:
+            sys.modules[name] = module
+            undo.append(functools.partial(sys.modules.pop, name, None))
+
+    def from_clone() -> bool:
+        caller = os.path.realpath(sys._getframe(2).f_code.co_filename)  # the caller of .cuda()
+        return caller.startswith(root) or caller == entry
+
+    tensor_cuda, module_cuda = torch.Tensor.cuda, torch.nn.Module.cuda
+
+    def tensor_identity(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if from_clone() else tensor_cuda(self, *args, **kwargs)
+
+    def module_identity(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        return self if from_clone() else module_cuda(self, *args, **kwargs)
+
+    torch.Tensor.cuda = tensor_identity
+    torch.nn.Module.cuda = module_identity
+    undo.append(lambda: setattr(torch.Tensor, "cuda", tensor_cuda))
+    undo.append(lambda: setattr(torch.nn.Module, "cuda", module_cuda))
+
+    import torch.nn.functional as F
+
+    _CONV2D.append(F.conv2d)
+    F.conv2d = _conv2d  # nn.Conv2d and MMCV's ConvModule call F.conv2d at call time
+    undo.append(lambda: (setattr(F, "conv2d", _CONV2D.pop())))
+
+    had_autocast = hasattr(fp16_utils, "autocast")
+    mmcv_autocast = getattr(fp16_utils, "autocast", None)
+    fp16_utils.autocast = _cpu_autocast(islands)
+    undo.append(lambda: setattr(fp16_utils, "autocast", mmcv_autocast) if had_autocast
+                else delattr(fp16_utils, "autocast"))
+    try:
+        yield StandIns(islands, undo)
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+class StandIns:
+    """What a block of :func:`cpu_stand_ins` can add once the plugin's classes exist (undone with the rest)."""
+
+    def __init__(self, islands: bool, undo: List[Callable[[], None]]) -> None:
+        self.islands = islands
+        self._undo = undo
+
+    def whole_forward(self, cls: type) -> None:
+        """With ``islands=False``: every forward of ``cls`` under fp16 autocast (no-op with ``islands=True``)."""
+        if not self.islands:
+            self._undo.append(wrap_forward(cls))
+
+
+def wrap_forward(cls: type) -> Callable[[], None]:
+    """Runs ``cls.forward`` under CPU fp16 autocast whenever the instance has ``fp16_enabled`` (set by MMCV's
+    ``wrap_fp16_model`` in ``Fp16OptimizerHook.before_run``); returns the undo. Training and the guard's replay
+    (``model(**batch)``) both go through ``forward``."""
+    original = cls.__dict__["forward"]
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=bool(getattr(self, "fp16_enabled", False))):
+            return original(self, *args, **kwargs)
+
+    cls.forward = forward
+    return lambda: setattr(cls, "forward", original)
