@@ -22,6 +22,7 @@ from petr_stability.core.errors import NanGuardGaveUp, StructuralDivergence
 from petr_stability.testing.causes_models import DropsSampleIds, IdentifiedDataset, plant_scale_bug
 from petr_stability.testing.mmcv1_cpu import PETRLikeMMCV1
 from petr_stability.testing.petr_like import SEED_LAYER_CFG
+from petr_stability.testing.plain import Pairs, mlp, squared_error
 
 MODEL = dict(num_layers=1, num_query=16, layer_cfg=SEED_LAYER_CFG)
 GUARD = dict(snapshot_interval=4, confirm_steps=2, check_interval=4)
@@ -49,35 +50,16 @@ class PlainPETR(torch.utils.data.Dataset):
         return sample
 
 
-class Pairs(torch.utils.data.Dataset):
-    """(x, y) tuples, no ids; sample ``bad`` holds NaN features (or ``bursts``: several in a row)."""
-
-    def __init__(self, n: int, bad: List[int]) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
-        for i in bad:
-            self.x[i, :3] = float("nan")
-        self.served: List[int] = []
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple:
-        self.served.append(int(i))
-        return self.x[i], self.y[i]
-
-
 class ListBatchModel(nn.Module):
     """A model unlike mmdet's: ``train_step`` takes the collated list ``[x, y]`` and unpacks it itself (no
     ``model(**batch)`` possible); no BatchNorm, no ``nan_to_num``."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.net = mlp()
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((self.net(x) - y) ** 2).mean()
+        return squared_error(self.net, x, y)
 
     def train_step(self, data: List[torch.Tensor], optimizer: Any = None, **kwargs: Any) -> Dict[str, Any]:
         x, y = data

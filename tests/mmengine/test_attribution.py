@@ -13,7 +13,6 @@ from harness import guard_hook, params_finite
 from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 from mmengine.runner import Runner
-from torch import nn
 
 import petr_stability  # noqa: F401  (registers the hooks)
 from petr_stability import read_incidents
@@ -30,6 +29,7 @@ from petr_stability.testing.causes_models import (
 )
 from petr_stability.testing.mmengine_cpu import PETRLikeModel
 from petr_stability.testing.petr_like import make_batch
+from petr_stability.testing.plain import Pairs, mlp, squared_error
 
 SMALL = dict(num_layers=1, num_query=16)
 GUARD = dict(snapshot_interval=4, confirm_steps=2, check_interval=4)
@@ -59,33 +59,15 @@ class Plain(torch.utils.data.Dataset):
         return self.samples[i]
 
 
-class Pairs(torch.utils.data.Dataset):
-    """(x, y) tuples, no ids: what a tutorial dataset looks like; sample ``bad`` holds NaN features."""
-
-    def __init__(self, n: int, bad: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
-        self.x[bad, :3] = float("nan")
-        self.served: List[int] = []
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple:
-        self.served.append(int(i))
-        return self.x[i], self.y[i]
-
-
 class Regressor(BaseModel):
     """A user's model unlike PETR: an MLP, no BatchNorm, no ``nan_to_num``; the batch is a list ``[x, y]``."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.net = mlp()
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, mode: str = "loss") -> dict:
-        return {"loss": ((self.net(x) - y) ** 2).mean()}
+        return {"loss": squared_error(self.net, x, y)}
 
 
 def build(work_dir: str, dataset: Any, amp: Any = None, max_epochs: Optional[int] = None,
@@ -151,7 +133,7 @@ def test_the_counterfactual_keeps_bad_data_data(tmp_path):
 @pytest.mark.parametrize("amp", [None, "dynamic", 512.0], ids=["fp32-skip", "fp16-dynamic", "fp16-static"])
 def test_a_plain_dataset_sample_breaking_every_epoch_is_named_by_index_and_quarantined_once(tmp_path, amp):
     wd = str(tmp_path)
-    runner = build(wd, Pairs(N, bad=BAD), amp=amp, max_epochs=4, model=Regressor())
+    runner = build(wd, Pairs(N, bad=[BAD]), amp=amp, max_epochs=4, model=Regressor())
     runner.train()
     assert runner.epoch == 4 and params_finite(runner)
     records = read_incidents(wd)
