@@ -285,6 +285,8 @@ class IncidentChain:
                     f"{len(inc.changes)} setting(s) changed", "warning")
         for change in inc.changes:
             self.io.log(f"NanGuard:   {change.target}: {change.old} -> {change.new}", "warning")
+        for sample in c.signals.get("quarantined") or []:
+            self.io.log("NanGuard:   quarantined: " + ", ".join(f"{k}={v}" for k, v in sample.items()), "warning")
         if inc.restored is not None:
             self.io.log(f"NanGuard: the iteration counter restarts at {inc.restored.iteration + 1}; checkpoints of "
                         "the replayed iterations will be written again", "warning")
