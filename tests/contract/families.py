@@ -11,13 +11,22 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from petr_stability.adapters.driver import GuardDriver
 from petr_stability.adapters.torch_loop import TorchLoopIO
 from petr_stability.core.config import GuardConfig
 from petr_stability.core.faults import FaultPlan
 from petr_stability.core.flags import make_grad_scaler
+from petr_stability.testing.data import ListDataset
 from petr_stability.testing.stacks import has_mmcv1, has_mmengine
+
+
+def poison_pixels(sample: Dict[str, Any]) -> Dict[str, Any]:
+    # Imported when a runner family builds a PETR-shaped dataset (it needs MMCV's bricks, as the family does).
+    from petr_stability.testing.causes_models import poison_pixels as poison
+
+    return poison(sample)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -54,14 +63,18 @@ class TorchLoopRun:
         self.driver.load_state(state)
         self.plan = FaultPlan(faults)
         torch.manual_seed(1)
-        self.data = [torch.randn(8, 2, 16) for _ in range(iters * 2)]
+        # A map-style dataset of (2, 16) samples, 8 per batch (the decoder's sequence axis), 4 batches per pass.
+        self.samples = list(torch.randn(32, 2, 16))
+        self.io.loader = DataLoader(ListDataset(self.samples), batch_size=8, shuffle=False)
 
     def train(self) -> None:
         self.driver.start()
-        step = 0
+        batches = iter(self.io.loader)
         while self.io.iter < self.iters:
-            batch = self.data[step % len(self.data)]
-            step += 1
+            batch = next(batches, None)
+            if batch is None:  # the next pass over the data
+                batches = iter(self.io.loader)
+                batch = next(batches)
             self.plan.inject(self.io.iter, 0, self.model, batch)
             self.driver.before_iter(batch)
             with torch.autocast("cpu", dtype=torch.float16):
@@ -98,6 +111,10 @@ class TorchLoopRun:
     def saved_state(self) -> Dict[str, Any]:
         return json.loads(json.dumps(self.driver.state_dict()))
 
+    def corrupt(self, index: int) -> None:
+        """NaN features in one sample of the dataset (a corrupt record)."""
+        self.samples[index][0] = math.nan
+
 
 class MMEngineRun:
     """A real MMEngine Runner (tests/mmengine/harness.py) with the CPU fp16 AmpOptimWrapper."""
@@ -116,6 +133,11 @@ class MMEngineRun:
 
     def train(self) -> None:
         self.runner.train()
+
+    def corrupt(self, index: int) -> None:
+        """NaN pixels in one sample of the dataset (a corrupt image)."""
+        samples = self.runner._train_dataloader["dataset"].samples  # the loader is built by train()
+        samples[index] = poison_pixels(samples[index])
 
     @property
     def guard(self) -> Any:
@@ -150,6 +172,11 @@ class MMCV1Run:
 
     def train(self) -> None:
         self.runner.run([self.runner.loader], [("train", 1)])
+
+    def corrupt(self, index: int) -> None:
+        """NaN pixels in one sample of the dataset (a corrupt image)."""
+        samples = self.runner.loader.dataset.samples
+        samples[index] = poison_pixels(samples[index])
 
     @property
     def guard(self) -> Any:

@@ -195,3 +195,19 @@ def test_the_hook_logs_the_preflight_findings_of_the_runs_config_once(family, tm
     found = [line for line in lines if "pre-flight" in line and "static-loss-scale" in line]
     assert len(found) == 1, lines  # once, in the runner's own log, and the run went on
     assert run.completed() == 4
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_a_corrupt_sample_is_named_by_its_dataset_index_and_quarantined_alone(family, tmp_path):
+    # A map-style dataset, no ids anywhere: the sample is named by the index the loader drew it with, whichever
+    # path takes it (a divergence where its NaN pixels poison BatchNorm, an fp16 overflow recurring in a second pass).
+    bad = 9
+    run = build(family, tmp_path, iters=24 if family != "mmcv1" else 20)
+    run.corrupt(bad)
+    run.train()
+    assert run.params_finite()
+    assert list(run.guard.policy.skip) == [bad]
+    named = [s for r in read_incidents(str(tmp_path)) for s in (r.get("batch") or [])
+             + ((r.get("cause") or {}).get("signals", {}).get("quarantined") or [])]
+    assert named and all(s.get("index") == bad for s in named)
+
