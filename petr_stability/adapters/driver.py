@@ -144,7 +144,7 @@ class GuardDriver:
             raise
 
     def _after_incident(self, record: Dict[str, Any]) -> None:
-        if record.get("event") not in INCIDENT_EVENTS + (Event.GAVE_UP,):
+        if record.get("event") not in INCIDENT_EVENTS + (Event.GAVE_UP, Event.RECURRING_SAMPLE):
             return
         if self.config.write_patched_config and get_rank() == 0 and self.io.work_dir:
             write_config_fix(self.io.run_config(), self.io.work_dir, config_fix(self.guard.summary()), self.io.log)

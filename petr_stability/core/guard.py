@@ -243,10 +243,12 @@ class NanGuard:
             return
         changes, why = self.policy.quarantine_recurring(self.io, recurring, signals.iteration)
         samples = [s for s in named if s.get("index") in recurring] or [{"index": i} for i in recurring]
-        self.io.log(f"NanGuard: sample(s) {_short_samples(samples)} made steps go wrong in two different epochs: "
-                    + ("quarantined for the rest of the run" if changes else f"not quarantined ({why})"), "warning")
-        self._emit(self._step_record(Event.RECURRING_SAMPLE, signals, Decision(Verdict.OVERFLOW, why or "recurring"),
-                                     changes, batch=samples, quarantined=bool(changes)))
+        epochs = sorted({e for i in recurring for e in self.policy.sightings.get(i, [])})
+        reason = f"made steps go wrong in epochs {epochs}" + ("" if changes else f"; not quarantined: {why}")
+        self.io.log(f"NanGuard: sample(s) {_short_samples(samples)} {reason}"
+                    + ("; quarantined for the rest of the run" if changes else ""), "warning")
+        self._emit(self._step_record(Event.RECURRING_SAMPLE, signals, Decision(Verdict.OVERFLOW, reason), changes,
+                                     batch=samples, quarantined=bool(changes)))
 
     def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
         change = self.io.make_scale_dynamic() if "scale" in self.config.remedies else None

@@ -57,7 +57,8 @@ class TorchLoopRun:
         clip_kwargs = {"norm": {"max_norm": 35.0, "norm_type": 2}, "none": None}[clip]
         self.io = TorchLoopIO(self.model, self.opt, make_grad_scaler("cpu", init_scale=64.0), clip_kwargs,
                               work_dir, log_fn=lambda msg: None,
-                              config={"model": {"type": "TinyDetector"}, "optim_wrapper": {"clip_grad": clip_kwargs}})
+                              config={"model": {"type": "TinyDetector"}, "optim_wrapper": {"clip_grad": clip_kwargs},
+                                      "custom_hooks": [{"type": "NanGuardHook"}]})
         self.driver = GuardDriver(GuardConfig(**guard))
         self.driver.bind(self.io)
         self.driver.load_state(state)
