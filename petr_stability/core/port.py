@@ -1,7 +1,7 @@
 """The port between the core and a runner family: the typed records and the one abstract class an adapter fills in.
 
 An adapter says *where* things live in its runner; *when* and *why* belong to the driver
-(:mod:`~petr_stability.core.driver`) and the guard (:mod:`~petr_stability.core.guard`). docs/runners.md lists the
+(:mod:`~petr_stability.adapters.driver`) and the guard (:mod:`~petr_stability.core.guard`). docs/runners.md lists the
 whole surface in one table.
 
 Iteration numbering, stated once (docs/how-it-works.md): an iteration is named by its 1-based number, as the

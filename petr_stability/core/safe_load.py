@@ -339,7 +339,7 @@ def safe_load(path: str, map_location: Any = "cpu", extra_globals: Sequence[str]
         path: the file.
         map_location: as for ``torch.load``. Defaults to ``'cpu'``.
         extra_globals: dotted names of the non-tensor types the file may hold, allowed for this call only (a runner
-            family's list: :data:`~petr_stability.adapters.mmengine_checkpoints.MMENGINE_CHECKPOINT_GLOBALS`).
+            family's list: :data:`~petr_stability.adapters.mmengine_runner.checkpoints.MMENGINE_CHECKPOINT_GLOBALS`).
             Defaults to none.
         restricted_unpickler: load through :func:`restricted_pickle_module` instead of ``weights_only=True``.
             Defaults to None: exactly when this torch has no ``weights_only`` (torch < 1.13).

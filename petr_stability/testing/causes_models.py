@@ -70,7 +70,7 @@ class IdentifiedDataset(ListDataset):
     """The PETR-shaped samples of :func:`~.petr_like.make_batch`, each carrying ``sample_idx``.
 
     The infos (``data_infos`` for MMCV 1.x datasets, ``data_list`` for MMEngine's) list every ``sample_idx``, so
-    :func:`~petr_stability.core.quarantine.resolve_indices` maps a batch's ids back to dataset indices.
+    :func:`~petr_stability.core.samples.resolve_indices` maps a batch's ids back to dataset indices.
 
     Args:
         n: number of samples.

@@ -130,7 +130,7 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
     ``history.recurrence_window`` iterations trained since its rollback (every batch breaks).
 
     Args:
-        report: a :func:`~.diagnose.diagnose_step` report (``compare='reproduced'`` gives the healthy
+        report: a :func:`~.replay.diagnose_step` report (``compare='reproduced'`` gives the healthy
             comparison whenever the live re-run reproduces); None when no diagnosis ran.
         history: earlier incidents. Defaults to None (an empty history with its defaults).
         iteration: the iteration of this incident (1-based, the guard's numbering). Defaults to None (unknown: no

@@ -1,10 +1,9 @@
 """Data quarantine: a bounded skip list of dataset indices and a sampler wrapper that never yields them again.
 
-A batch that breaks the healthy weights too (:data:`~.causes.Cause.DATA`) would come back every epoch; its samples
-go into a :class:`SkipList` (kept in the guard's checkpoint state) and a :class:`QuarantineSampler` around the run's
-sampler replaces them by healthy indices from then on, also after a resume. :func:`sample_ids` pulls what identifies
-the samples out of a batch for the incident record; :func:`resolve_indices` maps those ids back to dataset indices.
-Torch only: MMEngine's and MMCV 1.x's samplers, data samples and ``DataContainer`` are duck-typed.
+Bad data (:data:`~..causes.Cause.DATA`) would come back every epoch; its samples go into a :class:`SkipList` (kept in
+the guard's checkpoint state, and in the patched config) and the :class:`QuarantineSampler` around the loader's index
+source (:class:`~..tracking.SampleTracker` puts it there) replaces them by healthy indices from then on, also after a
+resume. :func:`quarantine_samples` is the remedy. Torch only: MMEngine's and MMCV 1.x's samplers are duck-typed.
 """
 import math
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
@@ -13,6 +12,7 @@ from ..samples import key as _key
 from .change import Change
 
 __all__ = ["SkipList", "QuarantineSampler", "QuarantineRefused", "quarantine_samples"]
+
 
 class SkipList:
     """Dataset indices quarantined for the rest of the run, bounded so that a bug cannot hide behind it.
