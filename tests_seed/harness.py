@@ -2,7 +2,7 @@
 
 Each run is ``seed_run.py`` in a fresh interpreter of this environment (``.venv-seed``), one at a time (the
 machine's cores are shared); its result is a JSON file plus the run's work dir, read here with
-``petr_stability.read_incidents``. Nothing here imports mmcv, so collecting the suite is cheap anywhere.
+``petr_stability.read_incidents``. The heavy imports (mmdet3d, the projects' plugins) happen in the children only.
 """
 import json
 import os
@@ -27,10 +27,12 @@ SUMMARY: List[str] = []
 class RunResult:
     """One finished run: the child's JSON result, its work dir and its incidents."""
 
-    def __init__(self, data: Dict[str, Any], work_dir: str, log: str) -> None:
+    def __init__(self, data: Dict[str, Any], work_dir: str, log: str, first_record: int = 0) -> None:
         self.data = data
         self.work_dir = work_dir
         self.log = log
+        #: Records of the work dir's incident log written before this run (a resumed run appends to it).
+        self.first_record = first_record
 
     @property
     def error(self) -> Optional[Dict[str, Any]]:
@@ -46,7 +48,7 @@ class RunResult:
         return self.data.get("final") or {}
 
     def incidents(self, event: Optional[str] = None) -> List[Dict[str, Any]]:
-        records = read_incidents(self.work_dir)
+        records = read_incidents(self.work_dir)[self.first_record:]
         return [r for r in records if event is None or r.get("event") == event]
 
     def divergences(self) -> List[Dict[str, Any]]:
@@ -92,17 +94,27 @@ class RunResult:
         return "\n".join(lines)
 
 
-def run_seed(name: str, spec: Dict[str, Any], base: str, timeout: float = 1500.0) -> RunResult:
+def run_seed(name: str, spec: Dict[str, Any], base: str, timeout: float = 1500.0,
+             work_dir: Optional[str] = None) -> RunResult:
     """Runs ``spec`` (see seed_run.py) in a child process under ``base/name``; returns its result.
+
+    Args:
+        name: the run's name (its work dir, its summary line).
+        spec: what to run.
+        base: the directory of the session's runs.
+        timeout: seconds before the child is killed (a failure).
+        work_dir: another run's work dir to work in (a resumed run: as a user restarts the job where it ran).
+            Defaults to ``base/name``.
 
     Raises:
         AssertionError: the child crashed (not a guard error: those are in the result) or timed out; the
             message holds the end of its output.
     """
-    work_dir = os.path.join(base, name)
+    work_dir = work_dir or os.path.join(base, name)
     os.makedirs(work_dir, exist_ok=True)
-    spec = dict(spec, work_dir=work_dir, result=os.path.join(work_dir, "result.json"))
-    spec_path = os.path.join(work_dir, "spec.json")
+    spec = dict(spec, work_dir=work_dir, result=os.path.join(work_dir, f"result_{name}.json"))
+    spec_path = os.path.join(work_dir, f"spec_{name}.json")
+    first_record = len(read_incidents(work_dir))
     with open(spec_path, "w") as fh:
         json.dump(spec, fh, indent=1)
     env = dict(os.environ)
@@ -113,12 +125,12 @@ def run_seed(name: str, spec: Dict[str, Any], base: str, timeout: float = 1500.0
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     wall = time.perf_counter() - t0
     log = proc.stdout.decode(errors="replace")
-    with open(os.path.join(work_dir, "child.log"), "w") as fh:
+    with open(os.path.join(work_dir, f"child_{name}.log"), "w") as fh:
         fh.write(log)
     if proc.returncode != 0 or not os.path.exists(spec["result"]):
         raise AssertionError(f"seed run {name} crashed (exit {proc.returncode}); last output:\n{log[-6000:]}")
     with open(spec["result"]) as fh:
-        result = RunResult(json.load(fh), work_dir, log)
+        result = RunResult(json.load(fh), work_dir, log, first_record)
     secs = result.iteration_seconds()
     SUMMARY.append(f"{name}: {wall:.0f} s wall, {len(result.iterations)} iterations"
                    + (f", median healthy iteration {sorted(secs)[len(secs) // 2]:.1f} s" if secs else "")

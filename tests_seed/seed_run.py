@@ -470,7 +470,9 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         out["build_seconds"] = time.perf_counter() - t_start
         from mmdet3d.utils import get_root_logger
 
-        get_root_logger(log_file=os.path.join(cfg.work_dir, f"{timestamp}.log"), log_level=cfg.log_level)
+        # As both tools/train.py do: the 'mmdet' root logger (the runner's) also writes the work dir's log file.
+        get_root_logger(log_file=os.path.join(cfg.work_dir, f"{timestamp}.log"), log_level=cfg.log_level,
+                        name="mmdet")
         t_train = time.perf_counter()
         try:
             if project == "streampetr":

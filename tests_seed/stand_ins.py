@@ -23,6 +23,10 @@ Nothing here changes what the projects' code computes; it only replaces what a C
   tensors and rounded to fp16, as a GPU's fp16 convolution backward accumulates in fp32 and writes fp16 (an
   overflow still becomes Inf). On a small convolution its gradients are bit-identical to torch's fp16 kernel.
 
+- ``runner.resume(path)``: MMCV 1.x's default ``map_location='default'`` maps every storage to the current CUDA
+  device (``torch.cuda.current_device()``); the projects' entry points call it so for ``resume_from``. Without a
+  GPU it maps to ``'cpu'``, which is what ``'default'`` means on a CPU machine.
+
 The GradScaler is the package's ``CPUFp16OptimizerHook`` (MMCV's ``Fp16OptimizerHook`` with a CPU GradScaler),
 named in the config as ``optimizer_config.type``; it needs no patch.
 """
@@ -159,6 +163,11 @@ def cpu_stand_ins(clone_root: str, islands: bool = True) -> Iterator["StandIns"]
     F.conv2d = _conv2d  # nn.Conv2d and MMCV's ConvModule call F.conv2d at call time
     undo.append(lambda: (setattr(F, "conv2d", _CONV2D.pop())))
 
+    from mmcv.runner import BaseRunner, IterBasedRunner
+
+    for runner_cls in (BaseRunner, IterBasedRunner):
+        undo.append(_cpu_resume(runner_cls))
+
     had_autocast = hasattr(fp16_utils, "autocast")
     mmcv_autocast = getattr(fp16_utils, "autocast", None)
     fp16_utils.autocast = _cpu_autocast(islands)
@@ -169,6 +178,20 @@ def cpu_stand_ins(clone_root: str, islands: bool = True) -> Iterator["StandIns"]
     finally:
         for step in reversed(undo):
             step()
+
+
+def _cpu_resume(cls: type) -> Callable[[], None]:
+    """``cls.resume`` with ``map_location='default'`` meaning ``'cpu'``; returns the undo."""
+    original = cls.__dict__["resume"]
+
+    @functools.wraps(original)
+    def resume(self: Any, checkpoint: str, resume_optimizer: bool = True, map_location: Any = "default") -> Any:
+        if map_location == "default" and not torch.cuda.is_available():
+            map_location = "cpu"
+        return original(self, checkpoint, resume_optimizer=resume_optimizer, map_location=map_location)
+
+    cls.resume = resume
+    return lambda: setattr(cls, "resume", original)
 
 
 class StandIns:

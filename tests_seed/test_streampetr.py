@@ -120,7 +120,10 @@ def test_corrupt_frame_is_data_named_by_token_quarantined_and_its_scene_goes_on(
     ``nan_to_num`` on the decoder output keeps the queue finite; a rollback would reset it, and then the next
     iteration must start from an empty queue), and a guard that does not roll back leaves the memory as training
     left it (its diagnosis replay must not push the replayed frames into the queue)."""
+    # quarantine_fraction sized to the 18-sample dataset as the default (0.001) is to nuScenes' 28130: room for
+    # one batch (2 samples), where the default's floor of one sample would refuse a batch of two.
     r = run_seed("corrupt_frame", spec(streampetr_root, streampetr_data, max_iters=12,
+                                       guard=dict(GUARD, quarantine_fraction=0.12),
                                        corrupt=dict(tokens=[]), corrupt_at=dict(iteration=5, slot=0, camera=0)),
                  runs_dir)
     bad = r.data["corrupt"]
@@ -210,21 +213,36 @@ def test_forward_overflow_on_every_batch_gets_an_fp32_island_never_data(overflow
 def test_resume_mid_scene_keeps_remedies_and_a_consistent_memory(overflow_run: RunResult, streampetr_root: str,
                                                                  streampetr_data: str, runs_dir: str) -> None:
     """``resume_from`` the forward-overflow run's newest checkpoint (written mid-sequence: each slot was inside a
-    three-frame sequence). StreamPETR keeps neither its sampler's position nor its memory queue in a checkpoint:
-    the resumed run starts every slot at the start of a sequence (``prev_exists`` 0) with an empty queue, which is
-    consistent. The guard's state comes back with it (an fp32 island stays in force, so the forward no longer
-    overflows), nothing is classed data, and the memory stays finite."""
+    three-frame sequence), in that run's work dir, as a user restarts the job. StreamPETR keeps neither its
+    sampler's position nor its memory queue in a checkpoint: the resumed run starts every slot at the start of a
+    sequence (``prev_exists`` 0) with an empty queue, which is consistent. The guard's state comes back with it
+    (its run id, its recoveries, an fp32 island stays in force, so the forward no longer overflows), the loss
+    scale is the checkpoint's, nothing is classed data, and the memory stays finite."""
     latest = os.path.join(overflow_run.work_dir, "latest.pth")
     assert os.path.exists(latest), f"the forward-overflow run wrote no checkpoint: {overflow_run.describe()}"
     ckpt_iter = int(os.path.basename(os.path.realpath(latest))[len("iter_"):-len(".pth")])
+    # The premise: when that file was written, every batch slot was inside a sequence (its next frame follows).
+    flags = [d["flag"] for d in overflow_run.data["dataset"]]
+    last = [it for it in overflow_run.iterations if it["iteration"] == ckpt_iter][-1]
+    assert all(i + 1 < len(flags) and flags[i + 1] == flags[i] for i in last["indices"]), (
+        f"iteration {ckpt_iter} served {last['indices']}: not mid-sequence in every slot")
     r = run_seed("resume", spec(streampetr_root, streampetr_data, max_iters=ckpt_iter + 3, islands=False,
-                                resume_from=latest), runs_dir)
+                                resume_from=latest), runs_dir, work_dir=overflow_run.work_dir)
     expect = Expect(r)
     first = r.iterations[0] if r.iterations else {}
-    expect(first.get("iteration") == ckpt_iter + 1, f"resumed at iteration {first.get('iteration')}, "
-                                                    f"not {ckpt_iter + 1}")
+    # MMCV 1.x's IterBasedRunner saves iter_N.pth inside iteration N with meta iter N - 1 and resumes from that
+    # counter: the resumed run runs iteration N again (RUNNER-INTERNALS.md).
+    expect(first.get("iteration") == ckpt_iter, f"resumed at iteration {first.get('iteration')}, not {ckpt_iter}")
     expect(first.get("prev_exists") == [0.0, 0.0] and first.get("memory_at_start") == "reset",
            f"first resumed batch: prev_exists {first.get('prev_exists')}, memory {first.get('memory_at_start')}")
+    state0, state1 = overflow_run.final.get("guard_state") or {}, r.final.get("guard_state") or {}
+    expect(state1.get("run_id") == state0.get("run_id") and state1.get("recoveries", 0) >= state0.get("recoveries", 0),
+           f"the guard's state did not come back: run id {state0.get('run_id')} -> {state1.get('run_id')}, "
+           f"recoveries {state0.get('recoveries')} -> {state1.get('recoveries')}")
+    saved_scale = last.get("loss_scale")
+    expect(isinstance(saved_scale, float) and isinstance(first.get("loss_scale"), float)
+           and first["loss_scale"] <= saved_scale,
+           f"loss scale {first.get('loss_scale')} after the first resumed step: not the checkpoint's {saved_scale}")
     before = ((overflow_run.final.get("guard_state") or {}).get("policy") or {}).get("fp32") or []
     now = ((r.final.get("guard_state") or {}).get("policy") or {}).get("fp32") or []
     expect(set(before) <= set(now), f"fp32 islands before {before}, after the resume {now}")
