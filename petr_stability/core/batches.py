@@ -34,6 +34,8 @@ class BatchWatch:
         self.good_batch: Any = None
         self.good_rng: Optional[Dict[str, Any]] = None
         self.good_iteration: Optional[int] = None
+        #: Iterations this process trained before any step was healthy (all of them broke: skipped or overflowed).
+        self.untrained = 0
         self.attached = False
 
     def attach(self, skip: Any, log: Callable[..., None]) -> None:
@@ -60,6 +62,8 @@ class BatchWatch:
         """As the iteration's verdict is known: a healthy step's batch becomes the last good batch."""
         if healthy and self.batch is not None:
             self.good_batch, self.good_rng, self.good_iteration = self.batch, self.rng, iteration
+        elif self.good_batch is None:
+            self.untrained += 1
         self.batch = self.rng = self.indices = None
 
     def epoch_of(self, iteration: int) -> int:

@@ -73,8 +73,8 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              "as dynamics", ("clip", "dropout", "lr", "moments"), True,
              "keep diagnose=True and let snapshots be confirmed, so that the replay can compare"),
     CauseRow(Cause.STRUCTURAL, "structural",
-             "a batch known to be good breaks the healthy weights too, data keeps breaking right after a "
-             "quarantine on every rank, or the class's remedies are spent",
+             "a batch known to be good breaks the healthy weights too (or none has trained since the run's "
+             "start), data keeps breaking right after a quarantine on every rank, or the class's remedies are spent",
              "stop with StructuralDivergence, naming the class, the evidence and what to look at",
              (), False,
              "what every batch goes through: the data pipeline's transforms (a wrong normalisation, degenerate "

@@ -10,15 +10,15 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["ID_KEYS", "FP16_MAX", "key", "sample_ids", "named_samples", "suspect_rows", "indices_of", "resolve_indices"]
+from .fp16 import FP16_MAX, reaches_fp16
+
+__all__ = ["ID_KEYS", "key", "sample_ids", "named_samples", "suspect_rows", "indices_of", "resolve_indices"]
 
 #: Keys that identify a sample, in the order the incident record lists them: the dataset index (``idx`` and
 #: ``dataset_index`` are read as ``index``), mmdet3d's ``sample_idx`` (an int in mmdet3d 1.x, the nuScenes sample
 #: token in megvii PETR and StreamPETR), the nuScenes ``token`` and StreamPETR's ``scene_token``.
 ID_KEYS: Tuple[str, ...] = ("index", "sample_idx", "token", "scene_token")
 _ALIASES = {"idx": "index", "dataset_index": "index"}
-#: Largest finite float16 value (a raw 16-bit pixel, 65535, is past it).
-FP16_MAX = 65504.0
 
 
 def key(index: Any) -> Any:
@@ -211,7 +211,8 @@ def _row_tensors(obj: Any, count: int, depth: int = 0) -> Iterator[Tuple[int, to
 
 def suspect_rows(batch: Any, count: int, fp16: bool) -> List[int]:
     """The rows (sample positions) of a batch of ``count`` samples whose own values are non-finite, or beyond fp16's
-    range when the step ran in fp16 (a raw 16-bit pixel becomes Inf under autocast). Empty when every row looks
+    range when the step ran in fp16 (a raw 16-bit pixel becomes Inf under autocast; float64 values, timestamps in
+    seconds, never reach fp16 code: :func:`~.fp16.reaches_fp16`). Empty when every row looks
     alike: then the batch as a whole is what broke. Reads the batch where it lives (on the host, as loaders give
     it); called on steps that already went wrong, never on healthy ones."""
     if count < 1 or batch is None:
@@ -221,6 +222,7 @@ def suspect_rows(batch: Any, count: int, fp16: bool) -> List[int]:
         if row in bad:
             continue
         t = t.detach()
-        if not bool(torch.isfinite(t).all()) or (fp16 and t.numel() and float(t.abs().amax()) > FP16_MAX):
+        if not bool(torch.isfinite(t).all()) or (fp16 and t.numel() and reaches_fp16(t)
+                                                 and float(t.abs().amax()) > FP16_MAX):
             bad.add(row)
     return sorted(bad) if len(bad) < count else []

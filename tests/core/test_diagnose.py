@@ -396,6 +396,71 @@ def test_fp32_check_refuses_inputs_already_past_fp16_and_outputs_it_cannot_conta
     assert check["tried"][0]["finite"] and not check["tried"][0]["within_fp16"]  # same dropout mask as the step
 
 
+class TimedHead(nn.Module):
+    """StreamPETR's head shape: float64 timestamps (seconds since 1970, ~1.5e9, as its formatting bundle keeps them)
+    ride along with the features, and the head's own functional code (dot products past 65504) overflows in fp16
+    before its encoder sees the result."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.encoder = nn.Linear(64, 1)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(32))
+            self.proj.bias.zero_()
+
+    def forward(self, x, timestamp):
+        h = self.proj(x)
+        scores = h @ h.transpose(-1, -2)  # functional code of the head: 32 * 50 * 50 = 80000 in fp16
+        age = (timestamp.max() - timestamp).float()  # float64 arithmetic, small again
+        return self.encoder(scores / scores.sum(-1, keepdim=True)) + age.view(-1, 1, 1)
+
+
+class TimedDetector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = TimedHead()
+
+    def forward(self, x, timestamp):
+        return {"loss": self.head(x, timestamp=timestamp).float().mean()}
+
+
+def test_fp32_check_reads_float64_inputs_as_out_of_fp16_reach():
+    # A timestamp past 65504 in float64 never enters an fp16 op: the head holding the overflowing code is the fix.
+    model = TimedDetector()
+    x, stamp = torch.full((2, 64, 32), 50.0), torch.tensor([1533151603.5, 1533151604.0], dtype=torch.float64)
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(x, stamp)
+
+    report = diagnose(model, forward)
+    check = report["fp32_check"]
+    assert (report["first"]["module"], report["first"]["where"]) == ("head.encoder", "input")
+    (head,) = check["tried"]
+    assert head["module"] == "head" and head["inputs_within_fp16"] and head["inputs_max_abs"] == 50.0
+    assert check["fixed_by"] == "head"
+    # Float32 inputs past fp16 range still refuse the fix (a raw pixel batch is the data's fault, not the module's).
+    report = diagnose(model, lambda: _autocast(model, torch.full((2, 64, 32), 7e4), stamp))
+    assert report["fp32_check"]["fixed_by"] is None
+
+
+def _autocast(model, *args):
+    with torch.autocast("cpu", dtype=torch.float16):
+        return model(*args)
+
+
+def test_suspect_rows_leave_float64_values_out_of_the_fp16_range_check():
+    from petr_stability.core.samples import suspect_rows
+    stamps = torch.tensor([1533151603.5, 1533151604.0, 1533151604.5], dtype=torch.float64)
+    img = torch.zeros(3, 4)
+    img[1, 0] = 65535.0  # a raw 16-bit pixel in row 1
+    assert suspect_rows({"img": img, "timestamp": stamps}, 3, fp16=True) == [1]
+    assert suspect_rows({"img": img, "timestamp": stamps}, 3, fp16=False) == []
+    stamps[2] = float("nan")  # non-finite is bad in any dtype
+    assert suspect_rows({"img": img, "timestamp": stamps}, 3, fp16=False) == [2]
+
+
 def test_fp32_check_only_for_half_outputs_and_can_be_switched_off():
     model = Nested()
     assert "fp32_check" not in diagnose(model, fp16(model, torch.full((2, 8), 100.0)), fp32_check=False)

@@ -109,6 +109,18 @@ def test_a_code_bug_breaking_every_forward_stops_as_structural_at_once(tmp_path,
     assert not guard_hook(r).guard.policy.skip
 
 
+@pytest.mark.parametrize("amp", [None, "dynamic"], ids=["fp32", "fp16-dynamic"])
+def test_a_forward_broken_from_the_start_is_structural_at_its_first_incident(tmp_path, amp):
+    wd = str(tmp_path)
+    r = build(wd, IdentifiedDataset(64, num_query=16), amp=amp, iters=40, bug_after=0)
+    with pytest.raises(StructuralDivergence, match="since the run's start"):
+        run(r)
+    (stop,) = decisions(wd)
+    assert stop["event"] == "gave_up" and stop["cause"]["cause"] == "structural"
+    assert stop["diagnosis"]["untrained_batches"] == stop["iteration"]
+    assert not guard_hook(r).guard.policy.skip
+
+
 @pytest.mark.parametrize("amp", [None, "dynamic", 512.0], ids=["fp32-skip", "fp16-dynamic", "fp16-static"])
 @pytest.mark.parametrize("runner", ["epoch", "iter"])
 def test_a_plain_dataset_sample_breaking_every_epoch_is_named_by_index_and_quarantined_once(tmp_path, amp, runner):

@@ -117,6 +117,23 @@ def test_a_code_bug_breaking_every_forward_stops_as_structural_at_once(tmp_path,
     assert not guard_hook(runner).guard.policy.skip
 
 
+@pytest.mark.parametrize("ids", [True, False], ids=["ids", "no-ids"])
+@pytest.mark.parametrize("amp", [None, dict(init_scale=8.0)], ids=["fp32", "fp16"])
+def test_a_forward_broken_from_the_start_is_structural_at_its_first_incident(tmp_path, ids, amp):
+    # No batch of the run ever trained, so there is no batch known to be good: that every batch so far broke is the
+    # evidence. Classed data, the first incident would quarantine good samples.
+    wd = str(tmp_path)
+    dataset = IdentifiedDataset(64, num_query=16) if ids else Plain(64)
+    runner = build(wd, dataset, amp=amp, max_iters=40, bug_after=0)
+    with pytest.raises(StructuralDivergence, match="since the run's start"):
+        runner.train()
+    (stop,) = decisions(wd)
+    assert stop["event"] == "gave_up" and stop["cause"]["cause"] == "structural"
+    assert stop["diagnosis"]["untrained_batches"] == stop["iteration"]
+    assert stop["cause"]["signals"]["evidence_cause"] == "structural"
+    assert not guard_hook(runner).guard.policy.skip
+
+
 def test_the_counterfactual_keeps_bad_data_data(tmp_path):
     # The same guard on a real bad sample: NaN pixels poison BatchNorm's statistics (a divergence at once); the
     # batch known to be good trains fine on the healthy weights, so it is data, and the NaN sample alone is named.

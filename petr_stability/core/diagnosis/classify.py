@@ -21,14 +21,19 @@ class CauseHistory:
         recurrence_window: a data incident fewer than this many iterations after the rollback of the previous
             data incident is structural: a second batch breaking at once means every batch breaks (a bug), not
             one sample. Defaults to 50.
+        never_trained: where no batch is known to be good because none has trained since the run's start state,
+            a batch breaking the start weights after at least this many batches that all broke (this one
+            included) is structural: every batch this run has seen breaks. Defaults to 3.
     """
 
-    def __init__(self, first_iterations: int = 10, recurrence_window: int = 50) -> None:
-        for name, value in (("first_iterations", first_iterations), ("recurrence_window", recurrence_window)):
+    def __init__(self, first_iterations: int = 10, recurrence_window: int = 50, never_trained: int = 3) -> None:
+        for name, value in (("first_iterations", first_iterations), ("recurrence_window", recurrence_window),
+                            ("never_trained", never_trained)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         self.first_iterations = first_iterations
         self.recurrence_window = recurrence_window
+        self.never_trained = never_trained
         self.incidents: List[Dict[str, Any]] = []
         self.spent: Dict[str, str] = {}
 
@@ -75,7 +80,7 @@ def _overflow_module(report: Mapping[str, Any]) -> Optional[str]:
     return check.get("fixed_by")
 
 
-def _evidence_cause(report: Mapping[str, Any]) -> Tuple[Cause, str, List[str], Dict[str, Any]]:
+def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[Cause, str, List[str], Dict[str, Any]]:
     first = report.get("first") or {}
     healthy = report.get("on_healthy_weights")
     signals: Dict[str, Any] = {"reproduced": bool(report.get("reproduced")),
@@ -107,6 +112,13 @@ def _evidence_cause(report: Mapping[str, Any]) -> Tuple[Cause, str, List[str], D
                                           f"{where}), and so does {good.get('batch')}, known to be good: every batch "
                                           "breaks, a bug (no fp32 re-run fixes it)", [],
                         dict(signals, evidence_cause=Cause.STRUCTURAL.value))
+            untrained = int(report.get("untrained_batches") or 0)
+            if good is None and history.never_trained and untrained >= history.never_trained:
+                signals["untrained_batches"] = untrained
+                return (Cause.STRUCTURAL, f"the same batch breaks the healthy weights too ({weights}; first in "
+                                          f"{where}), and not one of the {untrained} batches since the run's start "
+                                          "trained (every step went wrong): every batch breaks, a bug (no fp32 "
+                                          "re-run fixes it)", [], dict(signals, evidence_cause=Cause.STRUCTURAL.value))
             known = f", while {good.get('batch')}, known to be good, trains fine there" if good is not None else ""
             return (Cause.DATA, f"the same batch breaks the healthy weights too ({weights}; first in {where}){known}",
                     [], signals)
@@ -147,7 +159,7 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
                                              "batch)")
     if report.get("error"):
         return Classification(Cause.UNKNOWN, f"the diagnosis failed: {report['error']}")
-    cause, evidence, modules, signals = _evidence_cause(report)
+    cause, evidence, modules, signals = _evidence_cause(report, history)
     early = iteration is not None and iteration <= history.first_iterations
     if early and (cause == Cause.DATA or (cause == Cause.UNKNOWN and report.get("reproduced"))):
         # The run's first batches already break the weights it started from: nothing ever trained healthily.

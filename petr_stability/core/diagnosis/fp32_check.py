@@ -9,7 +9,7 @@ from torch import nn
 from ..flags import HAS_FORWARD_PRE_HOOK_KWARGS
 from ..remedies.fp32 import force_fp32, release_fp32
 from .rng import capture_rng, rank_local, restore_rng
-from .values import FP16_MAX, max_abs, num
+from .values import FP16_MAX, max_abs, max_abs_in_fp16_reach, num
 
 __all__ = ["fp32_check"]
 
@@ -74,7 +74,7 @@ def _record_path(model: nn.Module, names: Dict[nn.Module, str], forward: Callabl
 
 def _run_alone_in_fp32(module: nn.Module, name: str, args: Any, kwargs: Any, rng: Mapping[str, Any]) -> Dict:
     """One recorded call re-run under :func:`~..remedies.fp32.force_fp32`: its inputs' and output's max |x|."""
-    inputs = max_abs((args, kwargs))
+    inputs = max_abs_in_fp16_reach((args, kwargs))
     entry: Dict[str, Any] = {"module": name, "type": type(module).__name__, "inputs_max_abs": num(inputs),
                              "inputs_within_fp16": math.isfinite(inputs) and inputs <= FP16_MAX}
     try:
@@ -108,7 +108,8 @@ def fp32_check(model: nn.Module, forward: Callable[[], Any], rng_state: Optional
     when the target returns its non-finite output. Then the target, and if need be each enclosing call from the
     inside out (never the model itself: that is fp32 training), runs alone under
     :func:`~..remedies.fp32.force_fp32` on those inputs (so its dropout draws the same masks). The first one whose
-    inputs were finite and within fp16 range and whose fp32 output is finite and within fp16 range is ``fixed_by``:
+    inputs were finite and within fp16 range (those fp16 code can see: a float64 timestamp in seconds never enters
+    an fp16 op) and whose fp32 output is finite and within fp16 range is ``fixed_by``:
     running it in fp32 removes the overflow without moving it downstream (an output past 65504 would overflow again
     where the next fp16 op casts it down).
     """

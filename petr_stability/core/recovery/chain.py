@@ -158,10 +158,16 @@ class IncidentChain:
         scale = inc.signals.loss_scale if inc.signals.loss_scale is not None else self.io.loss_scale()
         good = self.batches
         good_forward = self.io.rerun_forward(good.good_batch) if good.good_batch is not None else None
-        return diagnose_step(self.io.model(), forward, rng_state=inc.rng, loss_scale=scale or 1.0,
-                             healthy_weights=weights, healthy_from=where if weights else "", compare="reproduced",
-                             good_forward=good_forward, good_rng=good.good_rng,
-                             good_from=f"the batch of iter {good.good_iteration}" if good_forward else "")
+        report = diagnose_step(self.io.model(), forward, rng_state=inc.rng, loss_scale=scale or 1.0,
+                               healthy_weights=weights, healthy_from=where if weights else "", compare="reproduced",
+                               good_forward=good_forward, good_rng=good.good_rng,
+                               good_from=f"the batch of iter {good.good_iteration}" if good_forward else "")
+        floor = inc.signals.loss_scale is not None and inc.signals.loss_scale < self.config.min_loss_scale
+        if good.good_batch is None and snap is self.points.start and (inc.signals.scale_mode != "dynamic" or floor):
+            # No batch known to be good: every batch since the start state broke, this one included, and no
+            # calibration of a dynamic scale explains it (the scale fell past its floor with no step applied).
+            report["untrained_batches"] = good.untrained + 1
+        return report
 
     def _classify(self, inc: Incident) -> Step:
         history = self.policy.history

@@ -301,7 +301,14 @@ class CausePolicy:
         indices = sorted(set(resolve_indices(io.dataset(), ids))) if ids else []
         if not self.enabled(Cause.DATA) or self.skip is None or not indices:
             # Nothing to name: the batch goes by; hyperparameters were never the problem.
-            c.evidence += "; its samples cannot be named (no sample ids in the batch): nothing quarantined"
+            if not self.enabled(Cause.DATA) or self.skip is None:
+                why = "the quarantine is off"
+            elif ids:
+                carried = sorted({k for i in ids for k in i if k != "rank"})
+                why = f"the ids it carries ({', '.join(carried)}) name no single dataset index"
+            else:
+                why = "no dataset indices known and no sample ids in the batch"
+            c.evidence += f"; its samples cannot be named ({why}): nothing quarantined"
             return []
         try:
             changes = quarantine_samples(self.skip, indices, {"iteration": c.signals.get("iteration")})
