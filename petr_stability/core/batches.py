@@ -105,6 +105,18 @@ class BatchWatch:
         except Exception:  # evidence only: a failed re-run blames nobody
             return False
 
+    def blame(self, fp16: bool) -> List[Dict[str, Any]]:
+        """The samples a step that went wrong is blamed on, agreed across ranks: this rank's :meth:`suspects` where
+        its own batch broke (under DDP every rank sees the all-reduced NaN gradient: a rank's batch broke only where
+        it breaks alone, :meth:`replays_broken`)."""
+        broke = not distributed.is_distributed() or self.replays_broken()
+        return self.agree_broken(broke, self.suspects(fp16))
+
+    def blame_flagged(self) -> List[Dict[str, Any]]:
+        """What an ordinary fp16 overflow is blamed on, agreed across ranks: only :meth:`flagged` samples."""
+        flagged = self.flagged(fp16=True)
+        return self.agree_broken(bool(flagged), flagged)
+
     def agree_broken(self, broke: bool, samples: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """The samples of every rank whose own batch broke, in rank order, the same list on every rank (one gather).
         Each sample carries its ``rank`` where there is more than one."""

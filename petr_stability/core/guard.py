@@ -8,6 +8,7 @@ the capture, so counters, LR and schedulers stay consistent without special case
 
 A confirmed divergence goes to :class:`~petr_stability.core.recovery.chain.IncidentChain`, which owns recovery.
 """
+import math
 from typing import Any, Callable, Dict, List, Optional
 
 from . import distributed
@@ -206,25 +207,25 @@ class NanGuard:
                     clip.set_max_norm(self.spikes.clip_bound(base))
 
     def _on_overflow(self, signals: StepSignals, decision: Decision) -> None:
-        if signals.scale_mode != "none":
+        scaled = signals.scale_mode != "none"
+        if scaled and (signals.loss is None or math.isfinite(signals.loss)):
             self.skipped_steps += 1
             scale = "" if signals.loss_scale is None else f", loss scale now {signals.loss_scale:g}"
             self.io.log(f"NanGuard: harmless overflow at iter {signals.iteration}: step skipped{scale} "
                         f"({decision.reason})")
             # Ordinary overflows are the scale's doing: only samples whose own values overflow fp16 are blamed.
-            flagged = self.batches.flagged(fp16=True)
-            self._learn(signals, self.batches.agree_broken(bool(flagged), flagged))
+            self._learn(signals, self.batches.blame_flagged())
             return
-        # fp32 has no loss scaler: nothing here is ordinary. Every such step is an event in the incident log
-        # (which step, which samples of which rank: what a user needs to find bad data).
-        skipped = signals.step_applied is False
+        # fp32 has no loss scaler, and no loss scale makes a forward non-finite (the loss comes before the scaling):
+        # nothing here is ordinary. Every such step is an event in the incident log (which step, which samples of
+        # which rank: what a user needs to find bad data).
+        skipped = scaled or signals.step_applied is False
         if skipped:
             self.skipped_steps += 1
-            self.fp32_skips += 1
-        # Under DDP every rank sees the all-reduced NaN gradient: a rank's own batch broke only where it breaks alone.
-        broke = not distributed.is_distributed() or self.batches.replays_broken()
-        named = self.batches.agree_broken(broke, self.batches.suspects(fp16=False))
-        what = "fp32 step skipped before the optimizer applied it" if skipped else "non-finite loss, step applied"
+            self.fp32_skips += 0 if scaled else 1
+        named = self.batches.blame(fp16=scaled)
+        what = ("fp16 step skipped by the loss scaler: the forward itself is non-finite" if scaled else
+                "fp32 step skipped before the optimizer applied it" if skipped else "non-finite loss, step applied")
         self.incidents.write(self._step_record(Event.SKIP if skipped else Event.NONFINITE_LOSS, signals, decision,
                                                batch=named or None))
         self.io.log(f"NanGuard: {what} at iter {signals.iteration} ({decision.reason})"

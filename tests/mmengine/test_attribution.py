@@ -70,9 +70,22 @@ class Regressor(BaseModel):
         return {"loss": squared_error(self.net, x, y)}
 
 
+class MixingRegressor(Regressor):
+    """Mixes its 8 features first (``x @ ones / 8``, a matmul: fp16 under autocast): a sample whose features are
+    each within fp16's range (6e4 < 65504) sums past it, so its fp16 forward is non-finite while every value it
+    carries is in range (a bright frame, not a raw 16-bit one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ones", torch.ones(8, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mode: str = "loss") -> dict:
+        return {"loss": squared_error(self.net, (x @ self.ones) / 8, y)}
+
+
 def build(work_dir: str, dataset: Any, amp: Any = None, max_epochs: Optional[int] = None,
           max_iters: Optional[int] = None, bug_after: Optional[int] = None, guard: Optional[dict] = None,
-          model: Optional[BaseModel] = None, hooks: Optional[List[Hook]] = None) -> Runner:
+          model: Optional[BaseModel] = None, hooks: Optional[List[Hook]] = None, shuffle: bool = False) -> Runner:
     torch.manual_seed(0)
     model = model if model is not None else IdsModel(**SMALL)
     if bug_after is not None:
@@ -82,7 +95,7 @@ def build(work_dir: str, dataset: Any, amp: Any = None, max_epochs: Optional[int
     wrapper.update(optimizer=dict(type="AdamW", lr=2e-4, weight_decay=0.01), clip_grad=dict(max_norm=35, norm_type=2))
     return Runner(
         model=model, work_dir=work_dir, experiment_name=f"t{uuid.uuid4().hex[:10]}",
-        train_dataloader=dict(dataset=dataset, sampler=dict(type="DefaultSampler", shuffle=False), batch_size=2,
+        train_dataloader=dict(dataset=dataset, sampler=dict(type="DefaultSampler", shuffle=shuffle), batch_size=2,
                               num_workers=0, collate_fn=dict(type="default_collate")),
         optim_wrapper=wrapper,
         train_cfg=dict(by_epoch=True, max_epochs=max_epochs) if by_epoch else dict(by_epoch=False,
@@ -163,6 +176,27 @@ def test_a_plain_dataset_sample_breaking_every_epoch_is_named_by_index_and_quara
     if amp is None:
         skips = [r for r in records if r["event"] == "skip"]
         assert [r["batch"] for r in skips] == [[{"index": BAD}]] * 2
+
+
+@pytest.mark.parametrize("amp", ["dynamic", 512.0], ids=["fp16-dynamic", "fp16-static"])
+def test_a_sample_whose_fp16_forward_breaks_is_no_ordinary_overflow(tmp_path, amp):
+    # The scaler skips the step, but no loss scale makes a forward non-finite (the loss comes before the scaling):
+    # the step is recorded with its samples, as an fp32 skip is, and the sample breaking steps in two epochs is
+    # quarantined, although none of its own values is past fp16's range.
+    wd = str(tmp_path)
+    dataset = Pairs(N, bad=[])
+    dataset.x[BAD] = 6e4
+    runner = build(wd, dataset, amp=amp, max_epochs=4, model=MixingRegressor(), shuffle=True)
+    runner.train()
+    assert runner.epoch == 4 and params_finite(runner)
+    records = read_incidents(wd)
+    skips = [r for r in records if r["event"] == "skip"]
+    assert len(skips) == 2 and all({"index": BAD} in r["batch"] and len(r["batch"]) == 2 for r in skips)
+    recurring = [r for r in records if r["event"] == "recurring_sample"]
+    assert len(recurring) == 1 and recurring[0]["batch"] == [{"index": BAD}] and recurring[0]["quarantined"]
+    assert list(guard_hook(runner).guard.policy.skip) == [BAD]
+    assert runner.train_dataloader.dataset.served.count(BAD) == 2
+    assert not decisions(wd)
 
 
 def test_a_failed_diagnosis_records_its_error_and_where(tmp_path, monkeypatch):
