@@ -299,6 +299,9 @@ class Recorder:
         log_vars = (getattr(runner, "outputs", None) or {}).get("log_vars") or {}
         history = runner.log_buffer.val_history.get("grad_norm") or []
         opt = next((h for h in runner.hooks if hasattr(h, "loss_scaler")), None)
+        # The guard's state as the checkpoint of this iteration saves it (stored after the previous iteration).
+        state = (runner.meta or {}).get("nan_guard") or {}
+        self.current.update(guard_run_id=state.get("run_id"), guard_recoveries=state.get("recoveries"))
         self.current.update(loss=log_vars.get("loss"), grad_norm=history[-1] if history else None,
                             loss_scale=float(opt.loss_scaler.get_scale()) if opt is not None else None,
                             iter_before_guard=runner.iter)
@@ -314,6 +317,21 @@ class Recorder:
         self.current["seconds"] = time.perf_counter() - self.current.pop("t0", time.perf_counter())
         self.iterations.append(self.current)
         self.current = {}
+
+    def samplers(self) -> Dict[str, Optional[str]]:
+        """Which sampler objects the training loader holds, and which one drives the iterator it is reading
+        (an ``IterBasedRunner`` makes that iterator once, before the first iteration, and keeps it)."""
+        try:
+            loader = getattr(self.runner, "data_loader", None)
+            torch_loader = getattr(loader, "_dataloader", loader)
+            live = getattr(getattr(loader, "iter_loader", None), "_sampler_iter", None)
+            frame = getattr(live, "gi_frame", None)
+            driver = frame.f_locals.get("self") if frame is not None else None
+            return {"batch_sampler": type(getattr(torch_loader, "batch_sampler", None)).__name__,
+                    "sampler": type(getattr(torch_loader, "sampler", None)).__name__,
+                    "live_iterator": type(driver).__name__ if driver is not None else None}
+        except Exception as exc:  # a diagnostic only: never the reason a run fails
+            return {"error": repr(exc)}
 
     def final(self) -> Dict[str, Any]:
         import torch
@@ -332,6 +350,7 @@ class Recorder:
         opt = next((h for h in self.runner.hooks if hasattr(h, "clip_grads")), None)
         clip = getattr(opt, "grad_clip", None)
         return {"iter": self.runner.iter, "epoch": self.runner.epoch, "params_finite": params_finite,
+                "samplers": self.samplers(),
                 "memory": self.memory_state(), "head_dropouts": dropouts, "decoder_with_cp": self.with_cp,
                 "max_norm": clip.get("max_norm") if isinstance(clip, dict) else None,
                 "guard_state": (self.runner.meta or {}).get("nan_guard")}

@@ -172,11 +172,12 @@ def overflow_run(streampetr_root: str, streampetr_data: str, runs_dir: str) -> R
 def test_forward_overflow_on_every_batch_gets_an_fp32_island_never_data(overflow_run: RunResult) -> None:
     """The forward overflows on every batch from the first: the dynamic scale halves every step until it falls
     under 1, then the guard must class it **forward overflow** with ``pts_bbox_head`` (whose functional code makes
-    the non-finite input of its ``position_encoder``) put in fp32, and recover; or stop with
-    ``StructuralDivergence``. Never **data**: nothing is wrong with the batches, and with sample tokens in the
-    batch it would quarantine good samples. StreamPETR's memory: finite when every iteration starts, reset by a
-    rollback, and untouched by the diagnosis replay (what the guard's temporal reset, or the next iteration when
-    there is no rollback, finds in the queue is what training put there)."""
+    the non-finite input of its ``position_encoder``) put in fp32, and recover (finish its 20 iterations; a later
+    incident may only be another fp32 island); or stop with ``StructuralDivergence``. Never **data**: nothing is
+    wrong with the batches, and with their samples named it would quarantine good samples. StreamPETR's memory:
+    finite when every iteration starts, reset by a rollback, and untouched by the diagnosis replay (what the
+    guard's temporal reset, or the next iteration when there is no rollback, finds in the queue is what training
+    put there)."""
     r = overflow_run
     expect = Expect(r)
     records = [x for x in r.incidents() if x.get("event") in ("divergence", "gave_up")]
@@ -184,16 +185,19 @@ def test_forward_overflow_on_every_batch_gets_an_fp32_island_never_data(overflow
     expect(records, "no divergence: the guard never acted on a forward that overflows on every batch")
     expect(all(c != "data" for _, c in causes), f"classed data: {causes}")
     structural = r.error is not None and r.error.get("type") == "StructuralDivergence"
-    fixed = [x for x in records if (x.get("cause") or {}).get("cause") == "forward_overflow"]
-    expect(structural or fixed, f"neither an fp32 island nor StructuralDivergence: causes {causes}, error "
-                                f"{r.error and r.error.get('type')}")
-    if fixed:
-        expect((fixed[0].get("cause") or {}).get("modules") == ["pts_bbox_head"],
-               f"fp32 island for {(fixed[0].get('cause') or {}).get('modules')}, not pts_bbox_head")
-        expect(r.error is None and r.final.get("iter") == 20, f"after the fp32 island the run did not finish: "
-                                                              f"{r.error}, iter {r.final.get('iter')}")
-        later = [x["iteration"] for x in records if x is not fixed[0] and records.index(x) > records.index(fixed[0])]
-        expect(not later, f"divergences after the fp32 island: {later}")
+    finished = r.error is None and r.final.get("iter") == 20
+    expect(structural or finished, f"the run neither finished nor stopped as structural: {r.error}, iter "
+                                   f"{r.final.get('iter')}")
+    if records:
+        first = records[0].get("cause") or {}
+        expect((first.get("cause") == "forward_overflow" and first.get("modules") == ["pts_bbox_head"])
+               or (first.get("cause") == "structural" and structural),
+               f"first incident: {first.get('cause')} for {first.get('modules')} ({first.get('evidence')}), not an "
+               "fp32 island for pts_bbox_head nor structural")
+    # A later incident may put another module in fp32 (a GPU runs this whole forward's losses in fp32 too).
+    others = [c for _, c in causes if c not in ("forward_overflow", "structural")]
+    expect(not others, f"incidents neither forward overflow nor structural: {causes}")
+    if finished:
         expect(r.final.get("params_finite"), "non-finite parameters at the end")
     for it in r.iterations:
         if it.get("unfinished") or it.get("memory_unchanged_by_guard") is None:
@@ -235,10 +239,11 @@ def test_resume_mid_scene_keeps_remedies_and_a_consistent_memory(overflow_run: R
     expect(first.get("iteration") == ckpt_iter, f"resumed at iteration {first.get('iteration')}, not {ckpt_iter}")
     expect(first.get("prev_exists") == [0.0, 0.0] and first.get("memory_at_start") == "reset",
            f"first resumed batch: prev_exists {first.get('prev_exists')}, memory {first.get('memory_at_start')}")
-    state0, state1 = overflow_run.final.get("guard_state") or {}, r.final.get("guard_state") or {}
-    expect(state1.get("run_id") == state0.get("run_id") and state1.get("recoveries", 0) >= state0.get("recoveries", 0),
-           f"the guard's state did not come back: run id {state0.get('run_id')} -> {state1.get('run_id')}, "
-           f"recoveries {state0.get('recoveries')} -> {state1.get('recoveries')}")
+    # The guard's state in the file is the one stored before iteration ckpt_iter's guard ran (the probe read it).
+    saved = (last.get("guard_run_id"), last.get("guard_recoveries"))
+    resumed = (first.get("guard_run_id"), first.get("guard_recoveries"))
+    expect(saved[0] is not None and resumed == saved,
+           f"the guard's state did not come back: (run id, recoveries) in the file {saved}, resumed {resumed}")
     saved_scale = last.get("loss_scale")
     expect(isinstance(saved_scale, float) and isinstance(first.get("loss_scale"), float)
            and first["loss_scale"] <= saved_scale,
