@@ -401,7 +401,8 @@ def register_test_modules() -> None:
 
 def choose_corrupt(dataset: Any, cfg: Any, where: Dict[str, int]) -> Dict[str, Any]:
     """Picks the sample StreamPETR's sampler serves at ``where['iteration']`` (1-based) in batch slot
-    ``where['slot']`` and makes the pipeline's ``InjectRawFrame`` corrupt camera ``where['camera']`` of it.
+    ``where['slot']`` and makes the pipeline's ``InjectRawFrame`` corrupt camera ``where['camera']`` of it; returns
+    it with the iterations the sampler would serve it at in ``runner.max_iters`` iterations.
 
     The batch sampler is built exactly as StreamPETR's ``build_dataloader`` builds it (same dataset, batch size,
     one replica, seed), so its twin yields the same batches.
@@ -409,8 +410,9 @@ def choose_corrupt(dataset: Any, cfg: Any, where: Dict[str, int]) -> Dict[str, A
     from projects.mmdet3d_plugin.datasets.samplers.group_sampler import InfiniteGroupEachSampleInBatchSampler
 
     twin = iter(InfiniteGroupEachSampleInBatchSampler(dataset, cfg.data.samples_per_gpu, 1, 0, seed=cfg.seed))
-    batch = [next(twin) for _ in range(where["iteration"])][-1]
-    index = int(batch[where["slot"]])
+    batches = [[int(i) for i in next(twin)] for _ in range(cfg.runner.max_iters)]
+    batch = batches[where["iteration"] - 1]
+    index = batch[where["slot"]]
     token = dataset.data_infos[index]["token"]
     inject = [t for t in dataset.pipeline.transforms if type(t).__name__ == "InjectRawFrame"]
     if len(inject) != 1:
@@ -418,7 +420,10 @@ def choose_corrupt(dataset: Any, cfg: Any, where: Dict[str, int]) -> Dict[str, A
     inject[0].tokens = {token}
     inject[0].camera = where.get("camera", 0)
     return {"index": index, "token": token, "scene_token": dataset.data_infos[index]["scene_token"],
-            "iteration": where["iteration"], "slot": where["slot"], "batch": [int(i) for i in batch]}
+            "iteration": where["iteration"], "slot": where["slot"], "batch": batch,
+            # Where the sampler would serve it in this run with nothing quarantined (data is never replayed, so a
+            # rollback does not change this order).
+            "planned": [k + 1 for k, b in enumerate(batches) if index in b]}
 
 
 def _jsonable(value: Any) -> Any:
