@@ -226,11 +226,13 @@ class Recorder:
             original = getattr(hook, name)
 
             def timed(runner: Any, _original: Any = original, _name: str = name) -> Any:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 try:
                     return _original(runner)
                 finally:
+                    # Wall and CPU time: other jobs on the machine stretch the first, far less the second.
                     self.current[f"guard_{_name}_s"] = time.perf_counter() - t0
+                    self.current[f"guard_{_name}_cpu_s"] = time.process_time() - c0
 
             setattr(hook, name, timed)
 
@@ -289,7 +291,7 @@ class Recorder:
             "scene_tokens": scene_tokens,
             "prev_exists": prev.data[0].flatten().tolist() if prev is not None else None,
             "memory_at_start": self.memory_state(),
-            "t0": time.perf_counter(),
+            "t0": time.perf_counter(), "c0": time.process_time(),
         }
 
     def pre_guard(self, runner: Any) -> None:
@@ -315,6 +317,7 @@ class Recorder:
 
     def last(self, runner: Any) -> None:
         self.current["seconds"] = time.perf_counter() - self.current.pop("t0", time.perf_counter())
+        self.current["cpu_seconds"] = time.process_time() - self.current.pop("c0", time.process_time())
         self.iterations.append(self.current)
         self.current = {}
 
@@ -515,6 +518,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         out["train_seconds"] = time.perf_counter() - t_train
         if REC.current:  # an iteration cut short by a raised error
             REC.current.pop("t0", None)
+            REC.current.pop("c0", None)
             REC.iterations.append(dict(REC.current, unfinished=True))
         out.update(iterations=REC.iterations, reads=REC.reads, read_iterations=REC.read_iterations,
                    final=REC.final(),

@@ -58,9 +58,11 @@ def test_healthy_run_has_no_incident_and_reads_nothing_on_healthy_steps(streampe
     share = [r.guard_seconds(it) / it["seconds"] for it in plain]
     snap = [it for it in r.iterations if it["iteration"] in healthy and it["iteration"] not in dict(watched)
             and it["iteration"] > 3]
-    SUMMARY.append(f"healthy: median iteration {median([it['seconds'] for it in plain]):.2f} s; guard "
+    cpu_share = [r.guard_seconds(it, cpu=True) / it["cpu_seconds"] for it in plain if it.get("cpu_seconds")]
+    SUMMARY.append(f"healthy: median iteration {median([it['seconds'] for it in plain]):.2f} s wall, "
+                   f"{median([it.get('cpu_seconds', float('nan')) for it in plain]):.2f} s CPU; guard "
                    f"{median([r.guard_seconds(it) for it in plain]) * 1e3:.2f} ms per healthy step "
-                   f"({median(share):.1e} of it); on snapshot steps "
+                   f"({median(share):.1e} of it; CPU {median(cpu_share):.1e}); on snapshot steps "
                    f"{median([r.guard_seconds(it) for it in snap]):.2f} s (every snapshot_interval=4 here, 200 by "
                    f"default); first overflows {overflows}")
     expect.check()
