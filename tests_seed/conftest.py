@@ -21,8 +21,21 @@ _NEEDED = {"StreamPETR": ("projects/mmdet3d_plugin", "projects/configs/StreamPET
 
 
 def _skip() -> None:
-    # One place raises every skip of the suite: pytest -rs folds them into one line.
+    # Every skip of the suite is raised here, and reported from here (pytest_runtest_makereport below).
     pytest.skip(HOW_TO_RUN)
+
+
+_SKIP_LINE = _skip.__code__.co_firstlineno + 2  # the pytest.skip line above, 1-based
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Iterator[None]:
+    """Reports the suite's skips at one location, so that ``pytest -rs`` folds them into one line (pytest reports a
+    skip raised in a fixture at each test's own line)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(report.longrepr, tuple) and report.longrepr[2].endswith(HOW_TO_RUN):
+        report.longrepr = (os.path.relpath(__file__), _SKIP_LINE, report.longrepr[2])
 
 
 def _stack_present() -> bool:

@@ -5,6 +5,7 @@ machine's cores are shared); its result is a JSON file plus the run's work dir, 
 ``petr_stability.read_incidents``. The heavy imports (mmdet3d, the projects' plugins) happen in the children only.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -71,8 +72,11 @@ class RunResult:
             out.append(float(it["seconds"]))
         return out
 
-    def guard_seconds(self, it: Dict[str, Any]) -> float:
-        return float(it.get("guard_before_train_iter_s", 0.0)) + float(it.get("guard_after_train_iter_s", 0.0))
+    def guard_seconds(self, it: Dict[str, Any], cpu: bool = False) -> float:
+        """The guard's own time in iteration ``it`` (its two hook methods), wall or CPU."""
+        unit = "_cpu_s" if cpu else "_s"
+        return (float(it.get("guard_before_train_iter" + unit, 0.0))
+                + float(it.get("guard_after_train_iter" + unit, 0.0)))
 
     def describe(self) -> str:
         """The run in a few lines, for assertion messages: error, incidents, iterations."""
@@ -179,11 +183,23 @@ def memory_ok_everywhere(expect: Expect, result: RunResult) -> None:
 
 
 def diagnosis_costs(result: RunResult) -> List[str]:
-    """Each incident's diagnosis time, and as a multiple of the run's median healthy iteration."""
-    it = median(result.iteration_seconds())
+    """Each incident's cost: the record's ``diagnosis.seconds`` (wall) against the run's median healthy iteration,
+    and the guard's CPU time in that iteration (diagnosis, remedies, restore) against a healthy iteration's CPU
+    time (less stretched by other jobs on the machine)."""
+    wall = median(result.iteration_seconds())
+    healthy_cpu = median([float(it["cpu_seconds"]) for it in result.iterations if "cpu_seconds" in it
+                          and it.get("iter_after_guard") == it.get("iter_before_guard")
+                          and it.get("grad_norm") not in ("inf", "nan", None)])
     out = []
     for r in result.incidents():
         secs = (r.get("diagnosis") or {}).get("seconds")
-        if isinstance(secs, (int, float)):
-            out.append(f"iter {r['iteration']}: {secs:.1f} s = {secs / it:.1f} iterations of {it:.1f} s")
+        if not isinstance(secs, (int, float)):
+            continue
+        line = f"iter {r['iteration']}: diagnosis {secs:.1f} s = {secs / wall:.1f} x a {wall:.1f} s iteration"
+        its = [it for it in result.iterations if it["iteration"] == r["iteration"] and "guard_after_train_iter_cpu_s"
+               in it and it["guard_after_train_iter_cpu_s"] > 0.5]
+        if its and not math.isnan(healthy_cpu):
+            cpu = its[-1]["guard_after_train_iter_cpu_s"]
+            line += f"; guard CPU {cpu:.1f} s = {cpu / healthy_cpu:.1f} x a healthy iteration's {healthy_cpu:.1f} s"
+        out.append(line)
     return out

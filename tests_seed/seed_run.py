@@ -226,11 +226,13 @@ class Recorder:
             original = getattr(hook, name)
 
             def timed(runner: Any, _original: Any = original, _name: str = name) -> Any:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 try:
                     return _original(runner)
                 finally:
+                    # Wall and CPU time: other jobs on the machine stretch the first, far less the second.
                     self.current[f"guard_{_name}_s"] = time.perf_counter() - t0
+                    self.current[f"guard_{_name}_cpu_s"] = time.process_time() - c0
 
             setattr(hook, name, timed)
 
@@ -289,7 +291,7 @@ class Recorder:
             "scene_tokens": scene_tokens,
             "prev_exists": prev.data[0].flatten().tolist() if prev is not None else None,
             "memory_at_start": self.memory_state(),
-            "t0": time.perf_counter(),
+            "t0": time.perf_counter(), "c0": time.process_time(),
         }
 
     def pre_guard(self, runner: Any) -> None:
@@ -299,6 +301,9 @@ class Recorder:
         log_vars = (getattr(runner, "outputs", None) or {}).get("log_vars") or {}
         history = runner.log_buffer.val_history.get("grad_norm") or []
         opt = next((h for h in runner.hooks if hasattr(h, "loss_scaler")), None)
+        # The guard's state as the checkpoint of this iteration saves it (stored after the previous iteration).
+        state = (runner.meta or {}).get("nan_guard") or {}
+        self.current.update(guard_run_id=state.get("run_id"), guard_recoveries=state.get("recoveries"))
         self.current.update(loss=log_vars.get("loss"), grad_norm=history[-1] if history else None,
                             loss_scale=float(opt.loss_scaler.get_scale()) if opt is not None else None,
                             iter_before_guard=runner.iter)
@@ -312,8 +317,24 @@ class Recorder:
 
     def last(self, runner: Any) -> None:
         self.current["seconds"] = time.perf_counter() - self.current.pop("t0", time.perf_counter())
+        self.current["cpu_seconds"] = time.process_time() - self.current.pop("c0", time.process_time())
         self.iterations.append(self.current)
         self.current = {}
+
+    def samplers(self) -> Dict[str, Optional[str]]:
+        """Which sampler objects the training loader holds, and which one drives the iterator it is reading
+        (an ``IterBasedRunner`` makes that iterator once, before the first iteration, and keeps it)."""
+        try:
+            loader = getattr(self.runner, "data_loader", None)
+            torch_loader = getattr(loader, "_dataloader", loader)
+            live = getattr(getattr(loader, "iter_loader", None), "_sampler_iter", None)
+            frame = getattr(live, "gi_frame", None)
+            driver = frame.f_locals.get("self") if frame is not None else None
+            return {"batch_sampler": type(getattr(torch_loader, "batch_sampler", None)).__name__,
+                    "sampler": type(getattr(torch_loader, "sampler", None)).__name__,
+                    "live_iterator": type(driver).__name__ if driver is not None else None}
+        except Exception as exc:  # a diagnostic only: never the reason a run fails
+            return {"error": repr(exc)}
 
     def final(self) -> Dict[str, Any]:
         import torch
@@ -332,6 +353,7 @@ class Recorder:
         opt = next((h for h in self.runner.hooks if hasattr(h, "clip_grads")), None)
         clip = getattr(opt, "grad_clip", None)
         return {"iter": self.runner.iter, "epoch": self.runner.epoch, "params_finite": params_finite,
+                "samplers": self.samplers(),
                 "memory": self.memory_state(), "head_dropouts": dropouts, "decoder_with_cp": self.with_cp,
                 "max_norm": clip.get("max_norm") if isinstance(clip, dict) else None,
                 "guard_state": (self.runner.meta or {}).get("nan_guard")}
@@ -382,7 +404,8 @@ def register_test_modules() -> None:
 
 def choose_corrupt(dataset: Any, cfg: Any, where: Dict[str, int]) -> Dict[str, Any]:
     """Picks the sample StreamPETR's sampler serves at ``where['iteration']`` (1-based) in batch slot
-    ``where['slot']`` and makes the pipeline's ``InjectRawFrame`` corrupt camera ``where['camera']`` of it.
+    ``where['slot']`` and makes the pipeline's ``InjectRawFrame`` corrupt camera ``where['camera']`` of it; returns
+    it with the iterations the sampler would serve it at in ``runner.max_iters`` iterations.
 
     The batch sampler is built exactly as StreamPETR's ``build_dataloader`` builds it (same dataset, batch size,
     one replica, seed), so its twin yields the same batches.
@@ -390,8 +413,9 @@ def choose_corrupt(dataset: Any, cfg: Any, where: Dict[str, int]) -> Dict[str, A
     from projects.mmdet3d_plugin.datasets.samplers.group_sampler import InfiniteGroupEachSampleInBatchSampler
 
     twin = iter(InfiniteGroupEachSampleInBatchSampler(dataset, cfg.data.samples_per_gpu, 1, 0, seed=cfg.seed))
-    batch = [next(twin) for _ in range(where["iteration"])][-1]
-    index = int(batch[where["slot"]])
+    batches = [[int(i) for i in next(twin)] for _ in range(cfg.runner.max_iters)]
+    batch = batches[where["iteration"] - 1]
+    index = batch[where["slot"]]
     token = dataset.data_infos[index]["token"]
     inject = [t for t in dataset.pipeline.transforms if type(t).__name__ == "InjectRawFrame"]
     if len(inject) != 1:
@@ -399,7 +423,10 @@ def choose_corrupt(dataset: Any, cfg: Any, where: Dict[str, int]) -> Dict[str, A
     inject[0].tokens = {token}
     inject[0].camera = where.get("camera", 0)
     return {"index": index, "token": token, "scene_token": dataset.data_infos[index]["scene_token"],
-            "iteration": where["iteration"], "slot": where["slot"], "batch": [int(i) for i in batch]}
+            "iteration": where["iteration"], "slot": where["slot"], "batch": batch,
+            # Where the sampler would serve it in this run with nothing quarantined (data is never replayed, so a
+            # rollback does not change this order).
+            "planned": [k + 1 for k, b in enumerate(batches) if index in b]}
 
 
 def _jsonable(value: Any) -> Any:
@@ -491,6 +518,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         out["train_seconds"] = time.perf_counter() - t_train
         if REC.current:  # an iteration cut short by a raised error
             REC.current.pop("t0", None)
+            REC.current.pop("c0", None)
             REC.iterations.append(dict(REC.current, unfinished=True))
         out.update(iterations=REC.iterations, reads=REC.reads, read_iterations=REC.read_iterations,
                    final=REC.final(),

@@ -59,5 +59,5 @@ def test_petrv2_divergence_takes_the_known_manual_fix(petr_root: str, petr_data:
     expect(losses and all(isinstance(x, float) for x in losses), f"losses after the recovery: {losses}")
     patched = os.path.join(r.work_dir, "nan_guard_patched_config.py")
     expect(os.path.exists(patched), "no nan_guard_patched_config.py")
-    expect.check()
     SUMMARY.append("petrv2 diagnosis: " + "; ".join(diagnosis_costs(r)))
+    expect.check()

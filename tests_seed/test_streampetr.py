@@ -52,18 +52,20 @@ def test_healthy_run_has_no_incident_and_reads_nothing_on_healthy_steps(streampe
     expect(len(watched) >= 8, f"too few healthy calls watched ({len(watched)}): the check would prove nothing")
     reads = [(i, read) for i, rs in watched for read in rs]
     expect(reads == [], f"the guard read tensor values on healthy steps: {reads[:10]}")
-    expect.check()
     # The figures docs/seed-stack.md quotes: iteration time and the guard's share on healthy steps.
     plain = [it for it in r.iterations if it["iteration"] in healthy and it["iteration"] in
              dict(watched)]
     share = [r.guard_seconds(it) / it["seconds"] for it in plain]
     snap = [it for it in r.iterations if it["iteration"] in healthy and it["iteration"] not in dict(watched)
             and it["iteration"] > 3]
-    SUMMARY.append(f"healthy: median iteration {median([it['seconds'] for it in plain]):.2f} s; guard "
+    cpu_share = [r.guard_seconds(it, cpu=True) / it["cpu_seconds"] for it in plain if it.get("cpu_seconds")]
+    SUMMARY.append(f"healthy: median iteration {median([it['seconds'] for it in plain]):.2f} s wall, "
+                   f"{median([it.get('cpu_seconds', float('nan')) for it in plain]):.2f} s CPU; guard "
                    f"{median([r.guard_seconds(it) for it in plain]) * 1e3:.2f} ms per healthy step "
-                   f"({median(share):.1e} of it); on snapshot steps "
+                   f"({median(share):.1e} of it; CPU {median(cpu_share):.1e}); on snapshot steps "
                    f"{median([r.guard_seconds(it) for it in snap]):.2f} s (every snapshot_interval=4 here, 200 by "
                    f"default); first overflows {overflows}")
+    expect.check()
 
 
 def test_nan_planted_in_a_decoder_weight_recovers_with_memory_reset(streampetr_root: str, streampetr_data: str,
@@ -102,18 +104,19 @@ def test_nan_planted_in_a_decoder_weight_recovers_with_memory_reset(streampetr_r
     expect(r.final.get("iter") == 6 and r.final.get("params_finite"), f"final: {r.final.get('iter')}, params "
                                                                         f"finite {r.final.get('params_finite')}")
     expect(set((r.final.get("head_dropouts") or {}).values()) == {0.0}, "a transformer dropout is not 0 at the end")
-    expect.check()
     SUMMARY.append("nan_weight diagnosis: " + "; ".join(diagnosis_costs(r)))
+    expect.check()
 
 
 def test_corrupt_frame_is_data_named_by_token_quarantined_and_its_scene_goes_on(
         streampetr_root: str, streampetr_data: str, runs_dir: str) -> None:
     """One camera of one mid-sequence frame is a raw 16-bit frame (every pixel 65535; fp16's largest value is
-    65504, so MMCV's ``@auto_fp16`` cast makes it Inf). Wanted (issue 20): the step is an incident classed
-    **data**, the record names the frame by its nuScenes token (StreamPETR's batches carry only ``scene_token`` in
-    ``img_metas``: the token comes from the dataset's ``data_infos`` through the sampler's indices), and the frame
-    is quarantined: the sampler never serves its index again, although StreamPETR's infinite sampler brings its
-    sequence round again within this run (iteration 11).
+    65504, so MMCV's ``@auto_fp16`` cast makes it Inf). StreamPETR's infinite sampler serves that frame at
+    iterations 5, 11 and 23 of this run. Wanted (issue 20): a record classes it **data** (a ``divergence`` with
+    cause data, or the ``recurring_sample`` event when it breaks a step again), names it by its nuScenes token
+    (StreamPETR's batches carry only ``scene_token`` in ``img_metas``: the token is in the dataset's
+    ``data_infos``), quarantines it, and from then on the sampler never serves its index; no hyperparameter
+    changes for bad data.
 
     What happens to the rest of its scene, under StreamPETR's streaming sampler: the slot goes on with the
     sequence's next frame (``prev_exists`` 1), the memory never holds NaN/Inf when an iteration starts (PETR's
@@ -122,41 +125,51 @@ def test_corrupt_frame_is_data_named_by_token_quarantined_and_its_scene_goes_on(
     left it (its diagnosis replay must not push the replayed frames into the queue)."""
     # quarantine_fraction sized to the 18-sample dataset as the default (0.001) is to nuScenes' 28130: room for
     # one batch (2 samples), where the default's floor of one sample would refuse a batch of two.
-    r = run_seed("corrupt_frame", spec(streampetr_root, streampetr_data, max_iters=12,
+    r = run_seed("corrupt_frame", spec(streampetr_root, streampetr_data, max_iters=24,
                                        guard=dict(GUARD, quarantine_fraction=0.12),
                                        corrupt=dict(tokens=[]), corrupt_at=dict(iteration=5, slot=0, camera=0)),
                  runs_dir)
     bad = r.data["corrupt"]
     served_at = [it["iteration"] for it in r.iterations if bad["index"] in it["indices"]]
-    assert served_at and served_at[0] == 5, f"the corrupt frame {bad} was served at {served_at}: {r.describe()}"
+    # The premises: served at 5 first, and planned twice more within the run (a quarantine has something to stop).
+    assert served_at[:1] == [5] and len(bad["planned"]) >= 3, f"corrupt frame {bad}, served at {served_at}"
     expect = Expect(r)
     expect(r.error is None, f"the run raised {r.error}")
-    records = [x for x in r.incidents() if x.get("iteration") == 5]
-    expect(records, "no incident record for the corrupt frame's step (iteration 5)")
-    for x in records:
-        expect((x.get("cause") or {}).get("cause") == "data", f"cause {(x.get('cause') or {}).get('cause')}: "
-                                                              f"{(x.get('cause') or {}).get('evidence')}")
-        expect(bad["token"] in repr(x), f"the record does not name the frame's token {bad['token']}")
-        expect(any(a["target"].startswith("quarantine") for a in x.get("actions") or []),
-               f"nothing quarantined: actions {[a['target'] for a in x.get('actions') or []][:5]}")
+    records = r.incidents()
+    named = [x for x in records if bad["token"] in repr(x)]
+    expect(named, f"no incident record names the corrupt frame by its token {bad['token']} (records: "
+                  f"{[(x.get('event'), x.get('iteration'), x.get('batch')) for x in records]})")
+    data = [x for x in records if x.get("event") == "recurring_sample"
+            or (x.get("cause") or {}).get("cause") == "data"]
+    expect(data, f"nothing classed data: {[(x.get('event'), (x.get('cause') or {}).get('cause')) for x in records]}")
+    changed = [a["target"] for x in records for a in x.get("actions") or [] if not a["target"].startswith("quar")]
+    expect(not changed, f"settings changed for bad data: {changed[:6]}")
     skip = (((r.final.get("guard_state") or {}).get("policy") or {}).get("skip") or {}).get("indices") or {}
     expect(str(bad["index"]) in skip, f"dataset index {bad['index']} not in the quarantine: {sorted(skip)}")
+    if data:
+        at = position(r, lambda it: it["iteration"] == data[0]["iteration"] and bad["index"] in it["indices"])
+        again = [it["iteration"] for it in after(r, at) if bad["index"] in it["indices"]]
+        expect(not again, f"served again at iterations {again} after the data record of iteration "
+                          f"{data[0]['iteration']} (the sampler had it planned at {bad['planned']})")
     first = position(r, lambda it: it["iteration"] == 5)
-    again = [it["iteration"] for it in after(r, first) if bad["index"] in it["indices"]]
-    expect(not again, f"the quarantined frame was served again at iterations {again}")
     # The rest of its sequence, in the same slot, in order.
     rest = [i for i in range(bad["index"] + 1, len(r.data["dataset"]))
             if r.data["dataset"][i]["flag"] == r.data["dataset"][bad["index"]]["flag"]]
     nxt = after(r, first)
     expect(nxt and rest and nxt[0]["indices"][bad["slot"]] == rest[0] and nxt[0]["prev_exists"][bad["slot"]] == 1.0,
            f"the sequence did not go on after the corrupt frame: next {nxt[:1]}, rest of the sequence {rest}")
-    incident_step = r.iterations[first]
-    if incident_step.get("iter_after_guard") == incident_step.get("iter_before_guard"):  # no rollback
-        expect(incident_step.get("memory_unchanged_by_guard") is True,
-               "the guard changed StreamPETR's memory without a rollback (the diagnosis replay ran the head)")
-    elif nxt:
-        expect(nxt[0].get("memory_at_start") == "reset", "a rollback without a memory reset")
+    for it in r.iterations:
+        if it.get("unfinished") or not any(x["iteration"] == it["iteration"] for x in records):
+            continue
+        if it.get("iter_after_guard") == it.get("iter_before_guard"):  # an incident without a rollback
+            expect(it.get("memory_unchanged_by_guard") is True, f"iter {it['iteration']}: the guard changed "
+                                                               "StreamPETR's memory without a rollback")
+        else:
+            expect(it.get("memory_after_guard") == "reset", f"iter {it['iteration']}: rollback without a reset")
     memory_ok_everywhere(expect, r)
+    mates = sorted(set(skip) - {str(bad["index"])})
+    SUMMARY.append(f"corrupt_frame: records {[(x.get('event'), x.get('iteration')) for x in records]}; quarantined "
+                   f"{sorted(skip)} (the frame {bad['index']}; batch-mates {mates})")
     expect.check()
 
 
@@ -172,11 +185,12 @@ def overflow_run(streampetr_root: str, streampetr_data: str, runs_dir: str) -> R
 def test_forward_overflow_on_every_batch_gets_an_fp32_island_never_data(overflow_run: RunResult) -> None:
     """The forward overflows on every batch from the first: the dynamic scale halves every step until it falls
     under 1, then the guard must class it **forward overflow** with ``pts_bbox_head`` (whose functional code makes
-    the non-finite input of its ``position_encoder``) put in fp32, and recover; or stop with
-    ``StructuralDivergence``. Never **data**: nothing is wrong with the batches, and with sample tokens in the
-    batch it would quarantine good samples. StreamPETR's memory: finite when every iteration starts, reset by a
-    rollback, and untouched by the diagnosis replay (what the guard's temporal reset, or the next iteration when
-    there is no rollback, finds in the queue is what training put there)."""
+    the non-finite input of its ``position_encoder``) put in fp32, and recover (finish its 20 iterations; a later
+    incident may only be another fp32 island); or stop with ``StructuralDivergence``. Never **data**: nothing is
+    wrong with the batches, and with their samples named it would quarantine good samples. StreamPETR's memory:
+    finite when every iteration starts, reset by a rollback, and untouched by the diagnosis replay (what the
+    guard's temporal reset, or the next iteration when there is no rollback, finds in the queue is what training
+    put there)."""
     r = overflow_run
     expect = Expect(r)
     records = [x for x in r.incidents() if x.get("event") in ("divergence", "gave_up")]
@@ -184,16 +198,19 @@ def test_forward_overflow_on_every_batch_gets_an_fp32_island_never_data(overflow
     expect(records, "no divergence: the guard never acted on a forward that overflows on every batch")
     expect(all(c != "data" for _, c in causes), f"classed data: {causes}")
     structural = r.error is not None and r.error.get("type") == "StructuralDivergence"
-    fixed = [x for x in records if (x.get("cause") or {}).get("cause") == "forward_overflow"]
-    expect(structural or fixed, f"neither an fp32 island nor StructuralDivergence: causes {causes}, error "
-                                f"{r.error and r.error.get('type')}")
-    if fixed:
-        expect((fixed[0].get("cause") or {}).get("modules") == ["pts_bbox_head"],
-               f"fp32 island for {(fixed[0].get('cause') or {}).get('modules')}, not pts_bbox_head")
-        expect(r.error is None and r.final.get("iter") == 20, f"after the fp32 island the run did not finish: "
-                                                              f"{r.error}, iter {r.final.get('iter')}")
-        later = [x["iteration"] for x in records if x is not fixed[0] and records.index(x) > records.index(fixed[0])]
-        expect(not later, f"divergences after the fp32 island: {later}")
+    finished = r.error is None and r.final.get("iter") == 20
+    expect(structural or finished, f"the run neither finished nor stopped as structural: {r.error}, iter "
+                                   f"{r.final.get('iter')}")
+    if records:
+        first = records[0].get("cause") or {}
+        expect((first.get("cause") == "forward_overflow" and first.get("modules") == ["pts_bbox_head"])
+               or (first.get("cause") == "structural" and structural),
+               f"first incident: {first.get('cause')} for {first.get('modules')} ({first.get('evidence')}), not an "
+               "fp32 island for pts_bbox_head nor structural")
+    # A later incident may put another module in fp32 (a GPU runs this whole forward's losses in fp32 too).
+    others = [c for _, c in causes if c not in ("forward_overflow", "structural")]
+    expect(not others, f"incidents neither forward overflow nor structural: {causes}")
+    if finished:
         expect(r.final.get("params_finite"), "non-finite parameters at the end")
     for it in r.iterations:
         if it.get("unfinished") or it.get("memory_unchanged_by_guard") is None:
@@ -207,6 +224,7 @@ def test_forward_overflow_on_every_batch_gets_an_fp32_island_never_data(overflow
             expect(it["memory_unchanged_by_guard"], f"iter {it['iteration']}: the guard changed StreamPETR's memory "
                                                     "without a rollback (the diagnosis replay ran the head)")
     memory_ok_everywhere(expect, r)
+    SUMMARY.append("forward_overflow diagnosis: " + "; ".join(diagnosis_costs(r)))
     expect.check()
 
 
@@ -235,10 +253,11 @@ def test_resume_mid_scene_keeps_remedies_and_a_consistent_memory(overflow_run: R
     expect(first.get("iteration") == ckpt_iter, f"resumed at iteration {first.get('iteration')}, not {ckpt_iter}")
     expect(first.get("prev_exists") == [0.0, 0.0] and first.get("memory_at_start") == "reset",
            f"first resumed batch: prev_exists {first.get('prev_exists')}, memory {first.get('memory_at_start')}")
-    state0, state1 = overflow_run.final.get("guard_state") or {}, r.final.get("guard_state") or {}
-    expect(state1.get("run_id") == state0.get("run_id") and state1.get("recoveries", 0) >= state0.get("recoveries", 0),
-           f"the guard's state did not come back: run id {state0.get('run_id')} -> {state1.get('run_id')}, "
-           f"recoveries {state0.get('recoveries')} -> {state1.get('recoveries')}")
+    # The guard's state in the file is the one stored before iteration ckpt_iter's guard ran (the probe read it).
+    saved = (last.get("guard_run_id"), last.get("guard_recoveries"))
+    resumed = (first.get("guard_run_id"), first.get("guard_recoveries"))
+    expect(saved[0] is not None and resumed == saved,
+           f"the guard's state did not come back: (run id, recoveries) in the file {saved}, resumed {resumed}")
     saved_scale = last.get("loss_scale")
     expect(isinstance(saved_scale, float) and isinstance(first.get("loss_scale"), float)
            and first["loss_scale"] <= saved_scale,
@@ -254,4 +273,3 @@ def test_resume_mid_scene_keeps_remedies_and_a_consistent_memory(overflow_run: R
                                                f"{r.error and r.error.get('type')}")
     memory_ok_everywhere(expect, r)
     expect.check()
-    SUMMARY.append("forward_overflow diagnosis: " + "; ".join(diagnosis_costs(overflow_run)))
