@@ -77,8 +77,9 @@ class BatchWatch:
 
     # ------------------------------------------------------------------ naming samples
     def samples(self) -> List[Dict[str, Any]]:
-        """The samples of the batch in hand: dataset ``index`` where known, and the ids the data carries."""
-        return named_samples(self.indices, self.batch)
+        """The samples of the batch in hand: dataset ``index`` where known, and the ids the data (or the dataset's
+        info at that index) carries."""
+        return named_samples(self.indices, self.batch, self.io.dataset())
 
     def suspects(self, fp16: bool) -> List[Dict[str, Any]]:
         """The samples of the batch in hand to blame: those whose own values are non-finite (or out of fp16's range

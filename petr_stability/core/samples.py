@@ -12,7 +12,7 @@ import torch
 
 from .fp16 import FP16_MAX, reaches_fp16
 
-__all__ = ["ID_KEYS", "key", "sample_ids", "named_samples", "suspect_rows", "indices_of", "resolve_indices"]
+__all__ = ["ID_KEYS", "key", "sample_ids", "info_ids", "named_samples", "suspect_rows", "indices_of", "resolve_indices"]
 
 #: Keys that identify a sample, in the order the incident record lists them: the dataset index (``idx`` and
 #: ``dataset_index`` are read as ``index``), mmdet3d's ``sample_idx`` (an int in mmdet3d 1.x, the nuScenes sample
@@ -159,15 +159,45 @@ def resolve_indices(dataset: Any, ids: Iterable[Mapping[str, Any]]) -> List[int]
     return sorted(found)
 
 
-def named_samples(indices: Optional[List[int]], batch: Any) -> List[Dict[str, Any]]:
+def info_ids(dataset: Any, index: int) -> Dict[str, Any]:
+    """The ids (``token``, ``sample_idx``) the dataset's own info for ``index`` holds: ``data_infos[index]`` (MMCV
+    1.x datasets: StreamPETR's carry the nuScenes token there and only ``scene_token`` in ``img_metas``),
+    ``data_list[index]``, else ``get_data_info(index)`` (MMEngine's, wrappers included, which map the index to their
+    inner dataset). Nothing for a dataset without infos or an index it does not hold. Recovery path only."""
+    infos = getattr(dataset, "data_infos", None)
+    if not isinstance(infos, (list, tuple)):
+        infos = getattr(dataset, "data_list", None) or None
+    try:
+        if isinstance(infos, (list, tuple)):
+            info = infos[index] if 0 <= index < len(infos) else None
+        elif hasattr(dataset, "get_data_info") and 0 <= index < len(dataset):
+            info = dataset.get_data_info(index)
+        else:
+            info = None
+    except Exception:  # naming is evidence only: a dataset whose info cannot be read names nothing more
+        return {}
+    if not isinstance(info, Mapping):
+        return {}
+    return {k: _plain(info[k]) for k in ("sample_idx", "token")
+            if isinstance(info.get(k), (str, int)) and not isinstance(info.get(k), bool)}
+
+
+def named_samples(indices: Optional[List[int]], batch: Any, dataset: Any = None) -> List[Dict[str, Any]]:
     """One dict per sample of the batch in hand: its dataset ``index`` (where the tracker knows it) and the ids the
-    data carries (``sample_idx``, ``token``, ``scene_token``), row by row where both are known for every sample."""
+    data carries (``sample_idx``, ``token``, ``scene_token``), row by row where both are known for every sample.
+    With ``dataset``, a sample whose batch carries neither ``token`` nor ``sample_idx`` gets them from the dataset's
+    info at its index (:func:`info_ids`)."""
     ids = sample_ids(batch) if batch is not None else []
     if indices is None:
         return ids
     if len(ids) == len(indices):
-        return [dict(row, index=int(i)) if "index" not in row else dict(row) for i, row in zip(indices, ids)]
-    return [{"index": int(i)} for i in indices]
+        rows = [dict(row, index=int(i)) if "index" not in row else dict(row) for i, row in zip(indices, ids)]
+    else:
+        rows = [{"index": int(i)} for i in indices]
+    if dataset is None:
+        return rows
+    return [dict(row, **info_ids(dataset, int(row["index"]))) if "token" not in row and "sample_idx" not in row
+            else row for row in rows]
 
 
 def indices_of(samples: Iterable[Mapping[str, Any]], dataset: Any = None) -> List[int]:

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from petr_stability.core.remedies.quarantine import QuarantineSampler, SkipList
-from petr_stability.core.samples import resolve_indices, sample_ids
+from petr_stability.core.samples import named_samples, resolve_indices, sample_ids
 from petr_stability.core.tracking import SampleTracker
 from petr_stability.testing.data import ListDataset
 
@@ -189,6 +189,23 @@ def test_resolve_indices_maps_ids_to_every_dataset_index_that_serves_them():
     assert resolve_indices(CBGS(Infos()), [{"sample_idx": "t1"}]) == [1, 2, 5]  # every repeat of the sample
     assert resolve_indices(Serialized(), [{"sample_idx": 101}, {"token": "m2"}, {"token": "gone"}]) == [1, 2]
     assert resolve_indices(None, [{"index": 4}, {"index": 4}]) == [4]
+
+
+def test_a_sample_named_by_index_takes_its_token_from_the_datasets_own_info():
+    # StreamPETR's img_metas carry scene_token only; its nuScenes token is in data_infos at the sample's index.
+    batch = {"img": torch.zeros(2, 3), "img_metas": DataContainer([[{"scene_token": "s1"}, {"scene_token": "s0"}]])}
+    assert named_samples([3, 1], batch, Infos()) == [{"scene_token": "s1", "index": 3, "token": "t3"},
+                                                      {"scene_token": "s0", "index": 1, "token": "t1"}]
+    assert named_samples([3, 1], batch) == [{"scene_token": "s1", "index": 3}, {"scene_token": "s0", "index": 1}]
+    # An MMEngine dataset (get_data_info); ids the batch carries are kept as they are, not looked up again.
+    carried = {"inputs": torch.zeros(1), "data_samples": [SimpleNamespace(metainfo={"sample_idx": 7})]}
+    assert named_samples([2], carried, Serialized()) == [{"sample_idx": 7, "index": 2}]
+    assert named_samples([2], {"inputs": torch.zeros(1)}, Serialized()) == [{"index": 2, "sample_idx": 102,
+                                                                              "token": "m2"}]
+    # A wrapper without infos of its own, an index past the infos, a plain Dataset: the index alone.
+    assert named_samples([5], None, CBGS(Infos())) == [{"index": 5}]
+    assert named_samples([9], None, Infos()) == [{"index": 9}]
+    assert named_samples([0], None, ListDataset([torch.zeros(1)])) == [{"index": 0}]
 
 
 def test_mmengine_default_and_infinite_samplers():

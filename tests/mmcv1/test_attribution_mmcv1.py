@@ -50,6 +50,16 @@ class PlainPETR(torch.utils.data.Dataset):
         return sample
 
 
+class TokensInInfos(PlainPETR):
+    """StreamPETR's shape: the batch's ``img_metas`` carry no sample id, the dataset's ``data_infos`` hold each
+    sample's nuScenes ``token``; one sample holds NaN camera features."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.inner = IdentifiedDataset(n, num_query=16, bad={bad: "nan"})
+        self.data_infos = [{"token": f"nusc{i:04d}", "scene_token": f"scene{i // 4}"} for i in range(n)]
+
+
 class ListBatchModel(nn.Module):
     """A model unlike mmdet's: ``train_step`` takes the collated list ``[x, y]`` and unpacks it itself (no
     ``model(**batch)`` possible); no BatchNorm, no ``nan_to_num``."""
@@ -136,6 +146,18 @@ def test_a_plain_dataset_sample_breaking_every_epoch_is_named_by_index_and_quara
     # IterBasedRunner drew its first batch before any hook: from then on every batch is named by index.
     assert dataset.served.count(BAD) == 2 and dataset.served.count(0) == 4
     assert not decisions(wd)
+
+
+@pytest.mark.parametrize("amp", [None, "dynamic"], ids=["fp32-skip", "fp16-dynamic"])
+def test_a_sample_the_batch_names_by_nothing_is_named_by_its_infos_token(tmp_path, amp):
+    wd = str(tmp_path)
+    r = build(wd, TokensInInfos(N, BAD), model=PETRLikeMMCV1(**MODEL), amp=amp, epochs=3)
+    run(r)
+    assert params_finite(r)
+    records = read_incidents(wd)
+    named = [rec.get("batch") or ((rec.get("cause") or {}).get("signals") or {}).get("quarantined") for rec in records]
+    assert records and named == [[{"index": BAD, "token": f"nusc{BAD:04d}"}]] * len(records), records
+    assert list(guard_hook(r).guard.policy.skip) == [BAD]
 
 
 def test_a_list_batch_train_step_is_replayed_the_way_the_runner_calls_it(tmp_path):
