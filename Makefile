@@ -42,10 +42,11 @@ test: envs lint
 	wait $$pid; rc1=$$?; echo "---- .venv-mmcv1 suite ----"; cat .test-mmcv1.log; \
 	echo "make test: MMEngine suite exit $$rc, MMCV 1.x suite exit $$rc1"; exit $$(( rc || rc1 ))
 
-# Opt-in, not part of `make test`: mmcv with compiled ops (~17 min build), a Runner under default_scope='mmdet3d'.
+# Opt-in, not part of `make test`: mmcv with compiled ops (~17 min build), a Runner under default_scope='mmdet3d';
+# with MMDET3D_ROOT=<mmdetection3d v1.4.0 clone> also its real projects/PETR in fp32 and under AMP (docs/seed-stack.md).
 test-mmdet3d-scope:
 	bash scripts/setup_full_mmcv.sh
-	.venv-fullmmcv/bin/python -m pytest -q tests_optin
+	.venv-fullmmcv/bin/python -m pytest -q -rs tests_optin
 
 # Opt-in, not part of `make test`: the seed document's own stack (mmcv-full 1.7.2 with CPU ops, mmdet 2.28.2,
 # mmdet3d 1.0.0rc6; ~20 min to build) and the real StreamPETR / PETRv2 detectors from the user's clones

@@ -17,11 +17,9 @@ Nothing here changes what the projects' code computes; it only replaces what a C
   first emulation the issue tried: every forward of the detector under fp16 autocast and ``@force_fp32`` no
   longer switching it off, a forward that overflows on every batch in StreamPETR's position encoding.
 
-- fp16 convolution backward: torch's CPU kernel for it is a slow fallback (measured here: 88 s for the backward
-  of ResNet-50 on 12 images of 64 x 176, against 0.6 s in fp32). Under CPU fp16 autocast ``F.conv2d`` becomes
-  the same fp16 convolution forward (torch's own kernel) whose backward is computed in fp32 from the same fp16
-  tensors and rounded to fp16, as a GPU's fp16 convolution backward accumulates in fp32 and writes fp16 (an
-  overflow still becomes Inf). On a small convolution its gradients are bit-identical to torch's fp16 kernel.
+- fp16 convolution backward: torch's CPU kernel for it is a slow fallback, so the fp16 convolution's backward is
+  computed in fp32 and rounded to fp16, as a GPU's accumulates in fp32 and writes fp16
+  (``petr_stability.testing.fp16_conv``, shared with the mmdet3d 1.4 suite).
 
 - ``runner.resume(path)``: MMCV 1.x's default ``map_location='default'`` maps every storage to the current CUDA
   device (``torch.cuda.current_device()``); the projects' entry points call it so for ``resume_from``. Without a
@@ -38,6 +36,8 @@ import types
 from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
+
+from petr_stability.testing.fp16_conv import fp16_conv_backward_in_fp32
 
 __all__ = ["cpu_stand_ins", "flash_attn_stub", "StandIns", "wrap_forward"]
 
@@ -61,45 +61,6 @@ def flash_attn_stub() -> List[Tuple[str, types.ModuleType]]:
     root.flash_attn_interface = iface
     root.bert_padding = padding
     return [("flash_attn", root), ("flash_attn.flash_attn_interface", iface), ("flash_attn.bert_padding", padding)]
-
-
-class _HalfConv2d(torch.autograd.Function):
-    """An fp16 convolution: torch's fp16 forward, the backward computed in fp32 and rounded to fp16."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: Any, stride: Any, padding: Any, dilation: Any,
-                groups: int) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.conf = (stride, padding, dilation, groups, b is not None)
-        with torch.autocast("cpu", enabled=False):
-            return _CONV2D[0](x, w, b, stride, padding, dilation, groups)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Any, ...]:
-        from torch.nn.modules.utils import _pair
-
-        x, w = ctx.saved_tensors
-        stride, padding, dilation, groups, has_bias = ctx.conf
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]]
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad.float(), x.float(), w.float(), [w.shape[0]] if has_bias else None, _pair(stride), _pair(padding),
-            _pair(dilation), False, [0, 0], groups, mask)
-        half = [g.half() if g is not None else None for g in (gx, gw, gb)]
-        return (half[0], half[1], half[2], None, None, None, None)
-
-
-#: torch's own F.conv2d while the stand-in is installed.
-_CONV2D: List[Callable[..., torch.Tensor]] = []
-
-
-def _conv2d(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, stride: Any = 1, padding: Any = 0,
-            dilation: Any = 1, groups: int = 1) -> torch.Tensor:
-    fp16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
-    if (fp16 or input.dtype == torch.float16) and not isinstance(padding, str):
-        # What CPU autocast does for conv2d (every operand to fp16), then the fp16 convolution.
-        return _HalfConv2d.apply(input.half(), weight.half(), None if bias is None else bias.half(), stride,
-                                 padding, dilation, groups)
-    return _CONV2D[0](input, weight, bias, stride, padding, dilation, groups)
 
 
 def _cpu_autocast(islands: bool) -> Callable[..., Any]:
@@ -157,11 +118,9 @@ def cpu_stand_ins(clone_root: str, islands: bool = True) -> Iterator["StandIns"]
     undo.append(lambda: setattr(torch.Tensor, "cuda", tensor_cuda))
     undo.append(lambda: setattr(torch.nn.Module, "cuda", module_cuda))
 
-    import torch.nn.functional as F
-
-    _CONV2D.append(F.conv2d)
-    F.conv2d = _conv2d  # nn.Conv2d and MMCV's ConvModule call F.conv2d at call time
-    undo.append(lambda: (setattr(F, "conv2d", _CONV2D.pop())))
+    conv = fp16_conv_backward_in_fp32()
+    conv.__enter__()
+    undo.append(lambda: conv.__exit__(None, None, None))
 
     from mmcv.runner import BaseRunner, IterBasedRunner
 
