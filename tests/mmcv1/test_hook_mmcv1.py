@@ -187,6 +187,23 @@ def test_resume_keeps_remedies(tmp_path, runner):
     assert opt_hook(r2).grad_clip["max_norm"] == 1.0 and set(transformer_dropouts(r2)) == {0.0}
 
 
+def test_iter_runner_resumed_from_another_directory_keeps_remedies(tmp_path):
+    # IterBasedRunner.resume does not copy the file's meta into runner.meta, and the file is not in the new work dir:
+    # the guard finds it through the run's config (mmdet's tools/train.py keeps cfg.pretty_text in runner.meta).
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    kw = dict(runner="iter", amp=512.0, guard=FAST)
+    run(build_runner(first, max_iters=8, faults=[dict(kind="weights", iters=[5])], checkpoint=dict(interval=8),
+                     **kw))
+    path = os.path.join(first, "iter_8.pth")
+    r2 = build_runner(second, max_iters=12, **kw)
+    r2.meta = dict(r2.meta or {}, config=f"resume_from = {path!r}\nwork_dir = {second!r}\n")
+    r2.resume(path, map_location="cpu")
+    run(r2)
+    g = guard_hook(r2).guard
+    assert g.recoveries == 1 and g.policy.dropout_zeroed
+    assert opt_hook(r2).grad_clip["max_norm"] == 1.0 and set(transformer_dropouts(r2)) == {0.0}
+
+
 def test_endless_divergence_gives_up_cleanly(tmp_path):
     wd = str(tmp_path)
     r = build_runner(wd, runner="iter", amp=DYN, max_iters=60, guard=dict(FAST, max_recoveries=2),

@@ -24,6 +24,7 @@ import torch
 from mmcv.parallel import is_module_wrapper
 from mmcv.runner import IterBasedRunner, OptimizerHook
 
+from ...configfix.load import load_config_text
 from ...core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
 from ...core.recovery.snapshot import copy_to_host
 from ...core.remedies import Change
@@ -256,10 +257,22 @@ class MMCV1IO(GuardIO):
             state = self._state_of_resumed()
         return state
 
+    def _resumed_from(self) -> List[str]:
+        # The config's resume_from (mmdet / mmdet3d 0.x tools/train.py keep cfg.pretty_text in runner.meta): a
+        # checkpoint of another run's directory, which checkpoint_files() does not list.
+        config = self.run_config()
+        if config is None:
+            return []
+        try:
+            path = load_config_text(config.config, base_dir=self.work_dir).get("resume_from")
+        except Exception:  # a config text that cannot be read again names no file
+            return []
+        return [path] if isinstance(path, str) and os.path.isfile(path) else []
+
     def _state_of_resumed(self) -> Optional[Dict[str, Any]]:
         # IterBasedRunner.resume keeps its own runner.meta: find the checkpoint it resumed from by its counters.
         runner = self.runner
-        for path in self.checkpoint_files():
+        for path in self._resumed_from() + self.checkpoint_files():
             try:
                 meta = safe_load(path, extra_globals=()).get("meta", {})
             except Exception:  # a foreign or truncated file is simply not the one
