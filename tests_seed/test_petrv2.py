@@ -10,6 +10,7 @@ through its own dataset and train pipeline.
 import os
 from typing import Any, Dict
 
+import pytest
 from harness import SUMMARY, Expect, diagnosis_costs, run_seed
 
 DECODER_FFN = "pts_bbox_head.transformer.decoder.layers.0.ffns.0.layers.0.0.weight"
@@ -24,14 +25,19 @@ def spec(root: str, ann: str, **kw: Any) -> Dict[str, Any]:
     return out
 
 
-def test_petrv2_divergence_takes_the_known_manual_fix(petr_root: str, petr_data: str, runs_dir: str) -> None:
+@pytest.mark.parametrize("scale", ["static", "dynamic"])
+def test_petrv2_divergence_takes_the_known_manual_fix(petr_root: str, petr_data: str, runs_dir: str,
+                                                      scale: str) -> None:
     """Two epochs of four iterations; a NaN planted in a decoder FFN weight at iteration 3 (the fire drill).
     The seed's own path: one divergence, classed dynamics, and exactly the known manual fix (max_norm 35 -> 1,
-    every transformer dropout -> 0) under the static loss scale 512 with ``with_cp=True``; a rollback to a state
-    of this run; both epochs finish with finite weights, the dropouts stay 0 (``model.train()`` every epoch does
-    not undo them) and the patched config for the next run is written."""
-    r = run_seed("petrv2_known_fix", spec(petr_root, petr_data, max_epochs=2,
-                                          faults=[dict(kind="weights", iters=[3], param=DECODER_FFN)]), runs_dir)
+    every transformer dropout -> 0) with ``with_cp=True``, under the config's static loss scale 512 and under
+    MMCV's dynamic GradScaler (started at 512, so that its calibration does not take the whole short run); a
+    rollback to a state of this run; both epochs finish with finite weights, the dropouts stay 0
+    (``model.train()`` every epoch does not undo them) and the patched config for the next run is written."""
+    extra: Dict[str, Any] = dict(loss_scale=dict(init_scale=512.0)) if scale == "dynamic" else {}
+    name = "petrv2_known_fix" if scale == "static" else "petrv2_known_fix_dynamic"
+    r = run_seed(name, spec(petr_root, petr_data, max_epochs=2,
+                            faults=[dict(kind="weights", iters=[3], param=DECODER_FFN)], **extra), runs_dir)
     expect = Expect(r)
     expect(r.error is None, f"the run raised {r.error}")
     expect(r.final.get("decoder_with_cp") == [True] * 6, f"decoder with_cp: {r.final.get('decoder_with_cp')}")
@@ -39,7 +45,7 @@ def test_petrv2_divergence_takes_the_known_manual_fix(petr_root: str, petr_data:
     expect(len(div) == 1 and div[0]["iteration"] == 3, f"divergences: {[d['iteration'] for d in div]}")
     if div:
         d = div[0]
-        expect((d.get("signals") or {}).get("scale_mode") == "static", f"scale mode {d.get('signals')}")
+        expect((d.get("signals") or {}).get("scale_mode") == scale, f"scale mode {d.get('signals')}")
         expect((d.get("cause") or {}).get("cause") == "dynamics", f"cause {(d.get('cause') or {}).get('cause')}: "
                                                                   f"{(d.get('cause') or {}).get('evidence')}")
         targets = {a["target"]: (a["old"], a["new"]) for a in d.get("actions") or []}
@@ -59,5 +65,5 @@ def test_petrv2_divergence_takes_the_known_manual_fix(petr_root: str, petr_data:
     expect(losses and all(isinstance(x, float) for x in losses), f"losses after the recovery: {losses}")
     patched = os.path.join(r.work_dir, "nan_guard_patched_config.py")
     expect(os.path.exists(patched), "no nan_guard_patched_config.py")
-    SUMMARY.append("petrv2 diagnosis: " + "; ".join(diagnosis_costs(r)))
+    SUMMARY.append(f"petrv2 ({scale}) diagnosis: " + "; ".join(diagnosis_costs(r)))
     expect.check()
