@@ -6,7 +6,7 @@ out of the batch; :func:`resolve_indices` maps ids back to dataset indices where
 themselves. Torch only: MMEngine's data samples and MMCV 1.x's ``DataContainer`` are duck-typed.
 """
 from collections import defaultdict
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -94,12 +94,32 @@ def sample_ids(batch: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def _infos(dataset: Any) -> Iterable[Any]:
-    infos = getattr(dataset, "data_infos", None)  # MMCV 1.x (mmdet3d 0.17 / 1.0rc, PETR, StreamPETR)
+class _InfosByCall(Sequence[Any]):
+    """A dataset's infos read one at a time through ``get_data_info(i)`` (MMEngine with ``serialize_data=True``, whose
+    wrappers also map an index to their inner dataset's info)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset.get_data_info(index)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+
+def _infos(dataset: Any) -> Sequence[Any]:
+    """The dataset's own per-index infos: ``data_infos`` (MMCV 1.x: mmdet3d 0.17 / 1.0rc, PETR, StreamPETR),
+    ``data_list`` (MMEngine, when not serialized), else ``get_data_info`` (:class:`_InfosByCall`); empty for a
+    dataset without any."""
+    infos = getattr(dataset, "data_infos", None)
     if infos is None:
-        infos = getattr(dataset, "data_list", None) or None  # MMEngine, when not serialized
+        infos = getattr(dataset, "data_list", None) or None
     if infos is None and hasattr(dataset, "get_data_info") and hasattr(dataset, "__len__"):
-        infos = (dataset.get_data_info(i) for i in range(len(dataset)))  # MMEngine with serialize_data=True
+        infos = _InfosByCall(dataset)
     return infos or []
 
 
@@ -164,16 +184,9 @@ def info_ids(dataset: Any, index: int) -> Dict[str, Any]:
     1.x datasets: StreamPETR's carry the nuScenes token there and only ``scene_token`` in ``img_metas``),
     ``data_list[index]``, else ``get_data_info(index)`` (MMEngine's, wrappers included, which map the index to their
     inner dataset). Nothing for a dataset without infos or an index it does not hold. Recovery path only."""
-    infos = getattr(dataset, "data_infos", None)
-    if not isinstance(infos, (list, tuple)):
-        infos = getattr(dataset, "data_list", None) or None
     try:
-        if isinstance(infos, (list, tuple)):
-            info = infos[index] if 0 <= index < len(infos) else None
-        elif hasattr(dataset, "get_data_info") and 0 <= index < len(dataset):
-            info = dataset.get_data_info(index)
-        else:
-            info = None
+        infos = _infos(dataset)
+        info = infos[index] if 0 <= index < len(infos) else None
     except Exception:  # naming is evidence only: a dataset whose info cannot be read names nothing more
         return {}
     if not isinstance(info, Mapping):
