@@ -104,7 +104,7 @@ def test_petr_under_amp_overflows_in_its_head_and_gets_the_head_in_fp32(root, tm
     assert out["error"] is None and out["weights_finite"]
     records = out["records"]
     # Before the incident: every step an overflow, the scale halving from 2**16 down to the guard's floor.
-    first = [r for r in records[:16]]
+    first = records[:16]
     assert all(r["skipped"] for r in first) and first[0]["scale_before"] == 2.0 ** 16, first
     (incident,) = out["incidents"]
     assert incident["event"] == "divergence" and incident["iteration"] == 17

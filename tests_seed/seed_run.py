@@ -67,6 +67,19 @@ def _insert_before(pipeline: List[Dict[str, Any]], before: str, step: Dict[str, 
     raise LookupError(f"no {before} in the train pipeline")
 
 
+def _train_data(cfg: Any, spec: Dict[str, Any], resize: str, bundle: str, scale: float, batch_size: int) -> None:
+    """The synthetic scenes as the train data: images scaled through the project's ``resize`` step (by
+    ``spec['image_scale']``, else ``scale``), a corrupt frame injected before its ``bundle`` step where the spec asks
+    for one, ``spec['batch_size']`` (else ``batch_size``) per GPU."""
+    train = cfg.data.train
+    train.data_root = spec["data_root"]
+    train.ann_file = spec["ann_file"]
+    _scale_aug(train.pipeline, resize, spec.get("image_scale", scale))
+    if spec.get("corrupt"):
+        _insert_before(train.pipeline, bundle, dict(type="InjectRawFrame", **spec["corrupt"]))
+    cfg.data.samples_per_gpu = spec.get("batch_size", batch_size)
+
+
 def _common(cfg: Any, spec: Dict[str, Any]) -> None:
     """Settings of every run: work dir, hooks, logging, checkpoints, the CPU GradScaler, seeds."""
     cfg.work_dir = spec["work_dir"]
@@ -121,13 +134,7 @@ def streampetr_config(spec: Dict[str, Any]) -> Any:
         if a["type"] == "PETRMultiheadFlashAttention":
             attn[i] = dict(type="PETRMultiheadAttention", embed_dims=a["embed_dims"], num_heads=a["num_heads"],
                            dropout=a["dropout"], fp16=True)
-    train = cfg.data.train
-    train.data_root = spec["data_root"]
-    train.ann_file = spec["ann_file"]
-    _scale_aug(train.pipeline, "ResizeCropFlipRotImage", spec.get("image_scale", 0.25))
-    if spec.get("corrupt"):
-        _insert_before(train.pipeline, "PETRFormatBundle3D", dict(type="InjectRawFrame", **spec["corrupt"]))
-    cfg.data.samples_per_gpu = spec.get("batch_size", 2)
+    _train_data(cfg, spec, "ResizeCropFlipRotImage", "PETRFormatBundle3D", scale=0.25, batch_size=2)
     cfg.runner = dict(type="IterBasedRunner", max_iters=spec["max_iters"])
     _common(cfg, spec)
     return cfg
@@ -148,13 +155,7 @@ def petrv2_config(spec: Dict[str, Any]) -> Any:
 
     cfg = Config.fromfile(os.path.join(spec["root"], PETRV2_CONFIG))
     cfg.model.pts_bbox_head.num_query = spec.get("num_query", 100)
-    train = cfg.data.train
-    train.data_root = spec["data_root"]
-    train.ann_file = spec["ann_file"]
-    _scale_aug(train.pipeline, "ResizeCropFlipImage", spec.get("image_scale", 0.2))
-    if spec.get("corrupt"):
-        _insert_before(train.pipeline, "DefaultFormatBundle3D", dict(type="InjectRawFrame", **spec["corrupt"]))
-    cfg.data.samples_per_gpu = spec.get("batch_size", 1)
+    _train_data(cfg, spec, "ResizeCropFlipImage", "DefaultFormatBundle3D", scale=0.2, batch_size=1)
     cfg.runner = dict(type="EpochBasedRunner", max_epochs=spec["max_epochs"])
     cfg.total_epochs = spec["max_epochs"]
     _common(cfg, spec)
