@@ -22,13 +22,18 @@ lint: env-mmengine
 	bash scripts/check_floor.sh
 
 # tests/cuda runs on a GPU where there is one, else as a CPU rehearsal of its test code (tests/cuda/cuda_profile.py).
+# Tests marked `numerics` run once more on torch's portable CPU kernels (ATEN_CPU_CAPABILITY=default): a machine with
+# AVX-512 then also sees what a plain one computes (another accumulation order, another rounding).
+NUMERICS_AGAIN = ATEN_CPU_CAPABILITY=default PETR_STABILITY_CUDA_REHEARSAL=1
 test-mmengine: env-mmengine
 	PETR_STABILITY_CUDA_REHEARSAL=1 .venv/bin/python -m pytest -q tests/core tests/contract tests/mmengine tests/cli \
 	  tests/distributed/mmengine tests/cuda
+	$(NUMERICS_AGAIN) .venv/bin/python -m pytest -q -m numerics tests/core tests/mmengine tests/cli
 
 test-mmcv1: env-mmcv1
 	PETR_STABILITY_CUDA_REHEARSAL=1 .venv-mmcv1/bin/python -m pytest -q tests/core tests/contract tests/mmcv1 tests/distributed/mmcv1 \
 	  tests/cuda tests/cli/test_patch_config.py tests/cli/test_preflight.py tests/cli/test_cli.py
+	$(NUMERICS_AGAIN) .venv-mmcv1/bin/python -m pytest -q -m numerics tests/core tests/mmcv1
 
 # The cuda group on this machine's GPU, in each environment (benchmarks/gpu_check.sh does it on a bare GPU machine).
 test-cuda: envs

@@ -30,6 +30,9 @@ from petr_stability.testing.causes_models import (
 from petr_stability.testing.mmcv1_cpu import PETRLikeMMCV1
 from petr_stability.testing.petr_like import SEED_LAYER_CFG
 
+# fp16 overflows and skipped steps land where the CPU kernels round: these run again under ATEN_CPU_CAPABILITY=default.
+pytestmark = pytest.mark.numerics
+
 MODEL = dict(num_layers=1, num_query=16, layer_cfg=SEED_LAYER_CFG)
 N = 16
 # Capacity 2 of 16 samples: the quarantine takes the failing batch (2 samples), no more.

@@ -29,6 +29,9 @@ from petr_stability.testing.causes_models import (
 )
 from petr_stability.testing.mmengine_cpu import PETRLikeModel
 
+# fp16 overflows and skipped steps land where the CPU kernels round: these run again under ATEN_CPU_CAPABILITY=default.
+pytestmark = pytest.mark.numerics
+
 SMALL = dict(num_layers=1, num_query=16)
 N = 16
 # Capacity 2 of 16 samples: the quarantine takes the failing batch (2 samples), no more.

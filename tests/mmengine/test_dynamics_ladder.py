@@ -17,6 +17,9 @@ from harness import build_runner, guard_hook, params_finite
 from petr_stability.core.records import read_incidents
 from petr_stability.core.recovery.policy import LADDER
 
+# fp16 overflows and skipped steps land where the CPU kernels round: these run again under ATEN_CPU_CAPABILITY=default.
+pytestmark = pytest.mark.numerics
+
 __all__ = []
 
 LR = 0.2
