@@ -34,6 +34,7 @@ from ..core.guard import NanGuard
 from ..core.port import GuardIO, RunConfig
 from ..core.records import INCIDENT_EVENTS, Event
 from ..core.recovery.restore import check_checkpoint, checkpoint_finite
+from ..core.remedies.registry import config_fix_fields
 
 __all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "config_fix", "write_config_fix"]
 
@@ -62,7 +63,6 @@ class GuardDriver:
         """Builds the guard over ``io`` (at the run's start, before any checkpoint is loaded)."""
         self.io = io
         self.guard = NanGuard(self.config, io)
-        self.guard.listeners.append(self._after_incident)
         return self.guard
 
     def load_state(self, state: Optional[Dict[str, Any]]) -> None:
@@ -117,7 +117,8 @@ class GuardDriver:
                 # Saves run on rank 0 alone, where no collective may run; after_iter already checked this state
                 # on every rank, so this save comes from outside the train loop: refuse it.
                 raise UnsafeCheckpointError("NanGuard: refusing to save a checkpoint with non-finite values")
-            self.guard.recover_now("non-finite state found while saving a checkpoint", inside=self.inside)
+            self._guarded(lambda: self.guard.recover_now("non-finite state found while saving a checkpoint",
+                                                         inside=self.inside), give_up=False)
             refill(checkpoint, self.io.completed(self.inside)[0])
         checkpoint[STATE_KEY] = self.state_dict()
 
@@ -136,15 +137,20 @@ class GuardDriver:
         return self.guard.state_dict()
 
     # ------------------------------------------------------------------ internals
-    def _guarded(self, step: Callable[[], Any]) -> None:
+    def _guarded(self, step: Callable[[], Any], give_up: bool = True) -> None:
         try:
             step()
         except NanGuardError:
-            self.io.before_give_up()
+            self._after_records()
+            if give_up:
+                self.io.before_give_up()
             raise
+        self._after_records()
 
-    def _after_incident(self, record: Dict[str, Any]) -> None:
-        if record.get("event") not in INCIDENT_EVENTS + (Event.GAVE_UP, Event.RECURRING_SAMPLE):
+    def _after_records(self) -> None:
+        # After every incident (and on giving up) the patched config follows the guard's records.
+        records = self.guard.take_records()
+        if not any(r.get("event") in INCIDENT_EVENTS + (Event.GAVE_UP, Event.RECURRING_SAMPLE) for r in records):
             return
         if self.config.write_patched_config and get_rank() == 0 and self.io.work_dir:
             write_config_fix(self.io.run_config(), self.io.work_dir, config_fix(self.guard.summary()), self.io.log)
@@ -181,10 +187,8 @@ class DrivenHook:
 
 def config_fix(summary: Dict[str, Any]) -> ConfigFix:
     """What a config must change to start where the live run stands: the settings the guard put in force
-    (:meth:`~petr_stability.core.guard.NanGuard.summary`), nothing else."""
-    return ConfigFix(max_norm=summary["max_norm"], zero_dropout=summary["dropout_zeroed"],
-                     fp32_modules=dict(summary["fp32_modules"]), lr_factor=summary["lr_factor"],
-                     dynamic_loss_scale=summary["scale_made_dynamic"], quarantine=list(summary["quarantined"]))
+    (:meth:`~petr_stability.core.guard.NanGuard.summary`; each remedy names its fields), nothing else."""
+    return ConfigFix(**config_fix_fields(summary))
 
 
 def write_config_fix(run_config: Optional[RunConfig], work_dir: str, fix: ConfigFix,

@@ -1,8 +1,9 @@
 """The classes of a confirmed divergence and the one table saying what each is and what the guard does about it.
 
-:data:`CAUSE_TABLE` is the only place the cause -> action rule is written: the policy reads which remedies a class
-gets from it, the log line and the incident record take its action text (with the live ``lr_backoff`` and the
-policy's ladder filled in), docs/how-it-works.md's table is checked against it, and the report prints its text.
+:data:`CAUSE_TABLE` is the only place the cause -> action rule is written; which remedies act on a class, and the
+ladder's rungs, are read from :mod:`.remedies.registry`, so the table keeps no list of its own. The log line and the
+incident record take its action text (with the live ``lr_backoff`` and the policy's ladder filled in),
+docs/how-it-works.md's table is checked against it, and the report prints its text.
 """
 import enum
 from dataclasses import dataclass, field
@@ -35,8 +36,8 @@ class CauseRow:
         cause: the class.
         label: how docs and reports name it.
         signal: what in the replay decides it.
-        action: what the guard does (``{ladder}`` and ``{lr_backoff}`` are filled in by the policy).
-        remedies: the ``remedies=`` names the action uses (each can be switched off by leaving it out).
+        action: what the guard does (``{ladder}`` and ``{lr_backoff}`` are filled in by the policy; which remedies
+            act on the class is theirs to say: :func:`~.remedies.registry.serving`).
         rolls_back: whether the action restores a state of this run.
         look_at: where a user looks when this class stops the run.
     """
@@ -45,7 +46,6 @@ class CauseRow:
     label: str
     signal: str
     action: str
-    remedies: Tuple[str, ...]
     rolls_back: bool
     look_at: str
 
@@ -56,27 +56,27 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              "a module's fp16 forward is the first to go non-finite from finite inputs within fp16 range, and it "
              "(or an enclosing call) re-run alone in fp32 on the same inputs is finite",
              "run that module in fp32 from now on; roll back (already in fp32: structural)",
-             ("fp32",), True, "the module named runs in fp32; the patched config carries the switch"),
+             True, "the module named runs in fp32; the patched config carries the switch"),
     CauseRow(Cause.DATA, "data",
              "the batch arrives non-finite at the model's input, or breaks the healthy weights too while a batch "
              "known to be good does not",
              "quarantine the batch's samples (by dataset index) for the rest of the run; roll back unless the state "
              "was checked finite on every rank (then the batch is only skipped); no hyperparameter changes",
-             ("quarantine",), True, "the quarantined samples are listed in the incident log (dataset index, "
+             True, "the quarantined samples are listed in the incident log (dataset index, "
                                     "sample_idx, token)"),
     CauseRow(Cause.DYNAMICS, "dynamics",
              "the failing batch trains fine on the healthy weights",
              "the next rung of the ladder ({ladder}); roll back; past the last rung: structural",
-             ("clip", "dropout", "lr", "moments"), True, "the incident log names the ladder's rung that held"),
+             True, "the incident log names the ladder's rung that held"),
     CauseRow(Cause.UNKNOWN, "unknown",
              "no healthy weights to compare with, or the diagnosis was off or failed",
-             "as dynamics", ("clip", "dropout", "lr", "moments"), True,
+             "as dynamics", True,
              "keep diagnose=True and let snapshots be confirmed, so that the replay can compare"),
     CauseRow(Cause.STRUCTURAL, "structural",
              "a batch known to be good breaks the healthy weights too (or none has trained since the run's "
              "start), data keeps breaking right after a quarantine on every rank, or the class's remedies are spent",
              "stop with StructuralDivergence, naming the class, the evidence and what to look at",
-             (), False,
+             False,
              "what every batch goes through: the data pipeline's transforms (a wrong normalisation, degenerate "
              "boxes), custom CUDA ops built for another torch/CUDA, the loss terms, and the config (learning rate "
              "for the number of GPUs, loss scale); the incident log's diagnosis names the first module that "

@@ -3,13 +3,11 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence
 
+from .remedies.registry import REMEDIES
 from .validate import check_bool, check_choice, check_indices, check_int, check_list, check_names, check_number
 from .watch.detector import DetectorConfig
 
 __all__ = ["GuardConfig", "REMEDIES"]
-
-#: Remedy names accepted by ``remedies=`` (docs/how-it-works.md, "Cause-aware recovery").
-REMEDIES = ("clip", "dropout", "rollback", "scale", "lr", "moments", "quarantine", "fp32", "temporal")
 
 @dataclass
 class GuardConfig:

@@ -6,10 +6,13 @@ at the same hook point where snapshots are both taken and restored: whatever the
 the capture, so counters, LR and schedulers stay consistent without special cases. Iterations are numbered as
 :mod:`~petr_stability.core.port` states once: 1-based, and a state "at N" is the state after N iterations.
 
-A confirmed divergence goes to :class:`~petr_stability.core.recovery.chain.IncidentChain`, which owns recovery.
+A confirmed divergence goes to :class:`~petr_stability.core.recovery.chain.IncidentChain`, which owns recovery and
+returns its record; every remedy (a stalled scale made dynamic, the adaptive clip, a recurring sample's quarantine
+included) is the policy's to dispatch (:class:`~petr_stability.core.recovery.policy.CausePolicy`): the watch only
+watches.
 """
 import math
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import distributed
 from .batches import BatchWatch
@@ -19,7 +22,7 @@ from .records import Event, IncidentLog, step_record
 from .recovery.chain import Incident, IncidentChain
 from .recovery.policy import CausePolicy
 from .recovery.restore import RestorePoints
-from .samples import indices_of
+from .remedies.quarantine import short_samples
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
 from .watch.health import nonfinite_attributes, state_finite
 from .watch.spikes import GradNormMonitor
@@ -44,19 +47,14 @@ class NanGuard:
                                     config.restore_from_checkpoints, config.snapshot_copies == "node")
         self.policy = CausePolicy(config)
         self.batches = BatchWatch(io)
-        self.chain = IncidentChain(config, io, self.points, self.policy, self.batches, self._emit, self._recovered,
-                                   self.incidents.path)
+        self.chain = IncidentChain(config, io, self.points, self.policy, self.batches, self.incidents.path)
         self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
         self.stalls = 0
         self.skipped_steps = 0
         self.fp32_skips = 0
-        self.scale_made_dynamic = False
-        #: The configured max_norm per clip setting (lowered by remedies): adaptive clipping never goes above it.
-        self._clip_base: Dict[str, float] = {}
         self._bad_attributes: List[str] = []
-        #: Called on every rank with each incident record after it was written (the driver writes the patched
-        #: config there).
-        self.listeners: List[Callable[[Dict[str, Any]], None]] = []
+        #: Every record written since the driver last took them (:meth:`take_records`), on every rank.
+        self.records: List[Dict[str, Any]] = []
 
     @property
     def recoveries(self) -> int:
@@ -72,9 +70,6 @@ class NanGuard:
     def setup(self) -> None:
         """Re-applies remedies recorded in a resumed state (call once the runner's objects exist)."""
         self.policy.setup(self.io)
-        if self.scale_made_dynamic:
-            self.io.restore_scale_mode()
-        self._clip_base = {c.name: c.max_norm for c in self.io.clip_settings() if c.kind == "norm"}
         self._publish()
 
     def attach_data(self) -> None:
@@ -93,7 +88,7 @@ class NanGuard:
         that exists before any snapshot is confirmed. Costs one snapshot of host memory."""
         iteration, epoch = self.io.completed(inside=False)
         self.points.start = self.points.take(iteration, epoch, recycle=False, generation=self.recoveries,
-                                             lr_factor=self.policy.lr_factor)
+                                             **self.policy.tags())
 
     def state_dict(self) -> Dict[str, Any]:
         return {
@@ -103,11 +98,8 @@ class NanGuard:
             "stalls": self.stalls,
             "skipped_steps": self.skipped_steps,
             "fp32_skips": self.fp32_skips,
-            "dropout_zeroed": self.policy.dropout_zeroed,
-            "scale_made_dynamic": self.scale_made_dynamic,
-            "clip": dict(self.policy.clip_state),
+            **self.policy.state_dict(),
             "detector": self.detector.state_dict(),
-            "policy": self.policy.state_dict(),
             "spikes": self.spikes.state_dict(),
         }
 
@@ -117,28 +109,16 @@ class NanGuard:
         self.stalls = int(state.get("stalls", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.fp32_skips = int(state.get("fp32_skips", 0))
-        self.policy.dropout_zeroed = bool(state.get("dropout_zeroed", False))
-        self.scale_made_dynamic = bool(state.get("scale_made_dynamic", False))
-        self.policy.clip_state = {str(k): float(v) for k, v in dict(state.get("clip", {})).items()}
+        self.policy.load_state_dict(state)
         self.detector.load_state_dict(state.get("detector", {}))
-        self.policy.load_state_dict(state.get("policy", {}))
         self.spikes.load_state_dict(state.get("spikes", {}))
 
     def summary(self) -> Dict[str, Any]:
         """What the guard did so far in this run, for reports, the demo and the patched config (JSON-ready; the
-        incident log has the details): counts, the settings in force (``max_norm`` the known manual fix set or None,
-        ``dropout_zeroed``, ``lr_factor``, ``scale_made_dynamic``, ``fp32_modules`` as name -> class, the
-        ``quarantined`` dataset indices) and the ladder's rungs that held."""
-        skip, model, clip = self.policy.skip, self.io.model(), self.policy.clip_state
+        incident log has the details): counts, the settings the remedies put in force (each remedy's
+        :meth:`~.remedies.base.Remedy.summary`) and the ladder's rungs that held."""
         return {"recoveries": self.recoveries, "stalls": self.stalls, "iterations_lost": self.chain.iterations_lost,
-                "skipped_steps": self.skipped_steps, "max_norm": min(clip.values()) if clip else None,
-                "dropout_zeroed": self.policy.dropout_zeroed, "lr_factor": self.policy.lr_factor,
-                "scale_made_dynamic": self.scale_made_dynamic,
-                "fp32_modules": {m: type(model if m == "(model)" else model.get_submodule(m)).__name__
-                                 for m in self.policy.fp32},
-                "quarantined": [] if skip is None else list(skip),
-                "held": [i["held"]["rung"] for i in self.policy.history.incidents
-                         if (i.get("held") or {}).get("rung")]}
+                "skipped_steps": self.skipped_steps, **self.policy.summary(self.io)}
 
     # ------------------------------------------------------------------ the per-iteration path
     def after_iter(self) -> Decision:
@@ -191,7 +171,7 @@ class NanGuard:
         if snapshot_due:
             _, epoch = self.io.completed(inside=True)
             self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.recoveries,
-                                                  lr_factor=self.policy.lr_factor))
+                                                  **self.policy.tags()))
 
     def _watch_grad_norm(self, grad_norm: Optional[float], iteration: int) -> None:
         # The early warning and the adaptive clip read the host float the runner logged: no device read.
@@ -200,11 +180,7 @@ class NanGuard:
         warning = self.spikes.observe(grad_norm, iteration)
         if warning:
             self.io.log(f"NanGuard: early warning: {warning}", "warning")
-        if self.config.adaptive_clip and self.spikes.ready:
-            for clip in self.io.clip_settings():
-                base = self._clip_base.get(clip.name)
-                if clip.kind == "norm" and base is not None:
-                    clip.set_max_norm(self.spikes.clip_bound(base))
+        self.policy.on_healthy(self.io, self.spikes)
 
     def _on_overflow(self, signals: StepSignals, decision: Decision) -> None:
         scaled = signals.scale_mode != "none"
@@ -229,41 +205,32 @@ class NanGuard:
         self.incidents.write(self._step_record(Event.SKIP if skipped else Event.NONFINITE_LOSS, signals, decision,
                                                batch=named or None))
         self.io.log(f"NanGuard: {what} at iter {signals.iteration} ({decision.reason})"
-                    + (f"; samples: {_short_samples(named)}" if named else ""), "warning")
+                    + (f"; samples: {short_samples(named)}" if named else ""), "warning")
         if skipped:
             self._learn(signals, named)
 
     def _learn(self, signals: StepSignals, named: List[Dict[str, Any]]) -> None:
         """Samples that made steps go wrong in two different epochs are named and quarantined (the same list on
         every rank, so every rank decides the same)."""
-        if not named:
+        found = self.policy.recurring(self.io, named, self.batches.epoch_of(signals.iteration), signals.iteration)
+        if found is None:
             return
-        indices = indices_of(named, self.io.dataset())
-        recurring = self.policy.sighted(indices, self.batches.epoch_of(signals.iteration))
-        if not recurring:
-            return
-        changes, why = self.policy.quarantine_recurring(self.io, recurring, signals.iteration)
-        samples = [s for s in named if s.get("index") in recurring] or [{"index": i} for i in recurring]
-        epochs = sorted({e for i in recurring for e in self.policy.sightings.get(i, [])})
-        reason = f"made steps go wrong in epochs {epochs}" + ("" if changes else f"; not quarantined: {why}")
-        self.io.log(f"NanGuard: sample(s) {_short_samples(samples)} {reason}"
-                    + ("; quarantined for the rest of the run" if changes else ""), "warning")
+        changes, samples, reason = found
         self._emit(self._step_record(Event.RECURRING_SAMPLE, signals, Decision(Verdict.OVERFLOW, reason), changes,
                                      batch=samples, quarantined=bool(changes)))
 
     def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
-        change = self.io.make_scale_dynamic() if "scale" in self.config.remedies else None
-        if change is None:
+        changes = self.policy.on_stall(self.io, signals.iteration)
+        if not changes:
             self._recover(signals, Decision(Verdict.DIVERGED, decision.reason + "; no scale remedy available"),
                           inside=True)
             return
         self.stalls += 1
-        self.scale_made_dynamic = True
         self.detector.reset()
-        self.chain.actions_tried.append(f"iter {signals.iteration}: {change.target} {change.old} -> {change.new}")
+        self.chain.note(signals.iteration, changes)
         self.io.log(f"NanGuard: static loss scale stalled training at iter {signals.iteration} ({decision.reason}); "
-                    f"{change.target}: {change.old} -> {change.new}", "warning")
-        self._emit(self._step_record(Event.STALLED, signals, decision, [change]))
+                    + "; ".join(f"{c.target}: {c.old} -> {c.new}" for c in changes), "warning")
+        self._emit(self._step_record(Event.STALLED, signals, decision, changes))
 
     def _healthy(self, optimizer: bool) -> bool:
         model = self.io.model()
@@ -283,15 +250,16 @@ class NanGuard:
     # ------------------------------------------------------------------ recovery
     def _recover(self, signals: StepSignals, decision: Decision, inside: bool) -> None:
         iteration, epoch = self.io.completed(inside)
-        self.chain.run(Incident(signals, decision, inside, iteration, epoch, self.batches.batch, self.batches.rng,
-                                list(self._bad_attributes)))
-        for name, value in self.policy.clip_state.items():
-            self._clip_base[name] = min(self._clip_base.get(name, value), value)
-
-    def _recovered(self, inside: bool) -> None:
+        incident = self.chain.run(Incident(signals, decision, inside, iteration, epoch, self.batches.batch,
+                                           self.batches.rng, list(self._bad_attributes)))
+        if incident.error is not None:  # the record first, then the error
+            self._emit(incident.record)
+            raise incident.error
         self.detector.reset()
         self.io.read_step()  # forget the failed step's probe reading
         self.io.after_recovery(self.state_dict(), inside)
+        self._emit(incident.record)
+        self.policy.after_incident(self.io)
 
     def recover_now(self, reason: str, inside: bool) -> None:
         """Runs the recovery path at once (a non-finite state found outside a step's own signals)."""
@@ -312,8 +280,12 @@ class NanGuard:
 
     def _emit(self, record: Dict[str, Any]) -> None:
         self.incidents.write(record)
-        for listener in self.listeners:
-            listener(record)
+        self.records.append(record)
+
+    def take_records(self) -> List[Dict[str, Any]]:
+        """The records written since the last call (the driver writes the patched config after an incident's)."""
+        records, self.records = self.records, []
+        return records
 
     def _publish(self, loss_scale: Optional[float] = None) -> None:
         scalars: Dict[str, float] = {
@@ -326,8 +298,3 @@ class NanGuard:
         if loss_scale is not None:
             scalars["nan_guard/loss_scale"] = loss_scale
         self.io.update_scalars(scalars)
-
-
-def _short_samples(samples: List[Dict[str, Any]], limit: int = 4) -> str:
-    shown = ", ".join(", ".join(f"{k}={v}" for k, v in s.items()).join("()") for s in samples[:limit])
-    return shown + (f" and {len(samples) - limit} more" if len(samples) > limit else "")

@@ -7,12 +7,15 @@ other ranks, each once, so every rank takes the same path; the rest is decided l
 Incidents form a *chain* until a recovery holds (a state taken after the latest recovery is confirmed): within a
 chain each restore point is used at most once and the dynamics ladder climbs one rung per incident; when it holds,
 the chain closes (:meth:`IncidentChain.close_if_held`) and everything may be used again.
+
+The chain calls nothing back: :meth:`IncidentChain.run` returns the incident with its record (and, when the run must
+stop, the error to raise once the record is written).
 """
 import enum
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from .. import distributed
 from ..batches import BatchWatch
@@ -39,7 +42,7 @@ class Step(str, enum.Enum):
     ACT = "act"  #: the policy's remedies for the agreed class (which may turn out structural)
     RESTORE = "restore"  #: the next restore point of this run, or none (bad data met a finite state)
     RECORD = "record"  #: the counters, the log lines, the incident record
-    GIVE_UP = "give_up"  #: the record, then the guard's error (terminal)
+    GIVE_UP = "give_up"  #: the record and the guard's error, for the caller to write and raise
     DONE = "done"  #: training goes on
 
 
@@ -51,6 +54,7 @@ TRANSITIONS: Dict[Step, tuple] = {
     Step.ACT: (Step.RESTORE, Step.GIVE_UP),
     Step.RESTORE: (Step.RECORD, Step.GIVE_UP),
     Step.RECORD: (Step.DONE,),
+    Step.GIVE_UP: (Step.DONE,),
 }
 
 
@@ -76,6 +80,8 @@ class Incident:
     temporal: List[str] = field(default_factory=list)
     lost: int = 0
     stop: Optional[tuple] = None  # (error type, why) once the run must end
+    record: Optional[Dict[str, Any]] = None  #: the incident record, once written out by RECORD or GIVE_UP
+    error: Optional[Exception] = None  #: the error to raise after writing the record (GIVE_UP)
 
 
 class IncidentChain:
@@ -87,17 +93,12 @@ class IncidentChain:
         points: the run's restore points.
         policy: the remedies by class.
         batches: this rank's batches (the failing one, the last good one, their samples).
-        emit: writes a record (rank 0's incident log) and tells the listeners.
-        recovered: called after a recovery with ``inside``, before its record is emitted (the guard resets its
-            watch and lets the adapter repair what the runner wrote from the abandoned path).
         log_path: the incident log's path, for the error message (None: no work dir).
     """
 
     def __init__(self, config: GuardConfig, io: GuardIO, points: RestorePoints, policy: CausePolicy,
-                 batches: BatchWatch, emit: Callable[[Dict[str, Any]], None], recovered: Callable[[bool], None],
-                 log_path: Optional[str]) -> None:
+                 batches: BatchWatch, log_path: Optional[str]) -> None:
         self.config, self.io, self.points, self.policy, self.batches = config, io, points, policy, batches
-        self.emit, self.recovered = emit, recovered
         self.log_path = log_path or "(no work dir: no incident log)"
         self.recoveries = 0
         self.iterations_lost = 0
@@ -109,7 +110,8 @@ class IncidentChain:
                           Step.GIVE_UP: self._give_up}
 
     def run(self, incident: Incident) -> Incident:
-        """Walks ``incident`` from :attr:`Step.DIAGNOSE` to :attr:`Step.DONE` (or raises from :attr:`Step.GIVE_UP`)."""
+        """Walks ``incident`` from :attr:`Step.DIAGNOSE` to :attr:`Step.DONE`; returns it with its ``record`` (and,
+        through :attr:`Step.GIVE_UP`, its ``error``: the caller writes the record, then raises)."""
         step = Step.DIAGNOSE
         while step != Step.DONE:
             following = self._handlers[step](incident)
@@ -210,7 +212,7 @@ class IncidentChain:
             inc.stop = (StructuralDivergence, f"the divergence is structural: {c.evidence}. Look at: "
                                               f"{row(Cause.STRUCTURAL).look_at}")
             return Step.GIVE_UP
-        self._note(inc.iteration, inc.changes)
+        self.note(inc.iteration, inc.changes)
         return Step.RESTORE
 
     def _restore(self, inc: Incident) -> Step:
@@ -229,10 +231,9 @@ class IncidentChain:
         self.points.drop_after(payload.iteration)
         inc.restored, inc.lost = payload, max(0, inc.iteration - payload.iteration)
         self.actions_tried.append(f"iter {inc.iteration}: rollback to {payload.source} (iter {payload.iteration})")
-        later = self.policy.after_restore(inc.cls, self.io, payload.lr_factor, self.recoveries + 1)
-        self._note(inc.iteration, later)
+        later, inc.temporal = self.policy.after_restore(inc.cls, self.io, payload, self.recoveries + 1)
+        self.note(inc.iteration, later)
         inc.changes += later
-        inc.temporal = self.policy.reset_temporal(self.io)
         if inc.temporal:
             self.io.log(f"NanGuard: temporal state reset after the rollback: {', '.join(inc.temporal)}")
         return Step.RECORD
@@ -245,30 +246,29 @@ class IncidentChain:
         if restored and inc.temporal:
             restored["temporal_reset"] = inc.temporal
         self.policy.record(inc.cls, inc.iteration, None if inc.restored is None else inc.restored.iteration)
-        record = self._base(inc, Event.DIVERGENCE, inc.changes, restored_from=restored, iterations_lost=inc.lost,
-                            epoch=inc.epoch, diagnosis=inc.diagnosis, cause=inc.cls.as_dict())
+        inc.record = self._base(inc, Event.DIVERGENCE, inc.changes, restored_from=restored, iterations_lost=inc.lost,
+                                epoch=inc.epoch, diagnosis=inc.diagnosis, cause=inc.cls.as_dict())
         self._log_recovery(inc)
-        self.recovered(inc.inside)
-        self.emit(record)
         return Step.DONE
 
-    def _give_up(self, inc: Incident) -> NoReturn:
+    def _give_up(self, inc: Incident) -> Step:
         error, why = inc.stop
         changes = inc.changes if error is NoHealthyStateError else []
-        record = self._base(inc, Event.GAVE_UP, changes, why=why, diagnosis=inc.diagnosis,
-                            cause=None if inc.cls is None else inc.cls.as_dict())
+        inc.record = self._base(inc, Event.GAVE_UP, changes, why=why, diagnosis=inc.diagnosis,
+                                cause=None if inc.cls is None else inc.cls.as_dict())
         tried = "\n".join(f"  - {a}" for a in self.actions_tried) or "  (nothing yet)"
         msg = (f"NanGuard gave up at iter {inc.signals.iteration}: {why}. Last divergence: {inc.decision.reason}.\n"
                f"Remedies and rollbacks so far:\n{tried}\nIncident log: {self.log_path}")
         self.io.log(msg, "error")
-        self.emit(record)
-        raise error(msg)
+        inc.error = error(msg)
+        return Step.DONE
 
     # ------------------------------------------------------------------ helpers
     def _keeps_state(self, inc: Incident) -> bool:
         return not row(inc.cls.cause).rolls_back or (inc.cls.cause == Cause.DATA and inc.state_ok)
 
-    def _note(self, iteration: int, changes: List[Change]) -> None:
+    def note(self, iteration: int, changes: List[Change]) -> None:
+        """Adds ``changes`` to the actions tried, which the give-up message lists."""
         for change in changes:
             self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
 

@@ -14,6 +14,7 @@ import torch
 from .. import distributed
 from ..errors import UnsafeCheckpointError
 from ..port import GuardIO, Payload
+from ..remedies.lr import LrBackoff
 from ..tree import iter_tensors, nbytes
 from ..watch.health import all_finite, first_nonfinite
 from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
@@ -194,7 +195,7 @@ class RestorePoints:
             if (guard_state or {}).get("run_id") != self.run_id or payload.iteration > now:
                 foreign.append(f"{path} (iter {payload.iteration})")
                 continue
-            payload.lr_factor = float(((guard_state or {}).get("policy") or {}).get("lr_factor", 1.0))
+            payload.lr_factor = LrBackoff.factor_in(guard_state)
             candidates.append((payload.iteration, path, payload))
         if foreign and not self._foreign_logged:
             self._foreign_logged = True

@@ -1,11 +1,13 @@
 """The dropout remedy: every drop probability of the detection head's transformer to 0, in place."""
-from typing import Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 from torch import nn
 
+from ..causes import Cause
+from .base import Context, Remedy, When
 from .change import Change
 
-__all__ = ["TRANSFORMER_CLASSES", "DROPOUT_FLOAT_ATTRS", "zero_transformer_dropout"]
+__all__ = ["TRANSFORMER_CLASSES", "DROPOUT_FLOAT_ATTRS", "zero_transformer_dropout", "DropoutRemedy"]
 
 #: Classes whose instances (and every descendant module) form the detection head's transformer. Matched by
 #: name along the MRO so that subclasses count and no framework has to be importable: MMCV's bricks, PETR's
@@ -91,3 +93,47 @@ def zero_transformer_dropout(
                 setattr(module, attr, 0.0)
                 changes.append(Change(f"{name}.{attr}" if name else attr, value, 0.0))
     return changes
+
+
+class DropoutRemedy(Remedy):
+    """The other half of the ladder's first rung: the head transformer's dropout to 0 (``dropout_scope``,
+    ``dropout_exclude``), again on resume."""
+
+    name = "dropout"
+    causes = (Cause.DYNAMICS, Cause.UNKNOWN)
+    rung = 1
+    when = When.BEFORE_RESTORE
+    state_keys = ("dropout_zeroed",)
+    fixes = (("zero_dropout", "dropout_zeroed"),)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.dropout_zeroed = False
+
+    def _zero(self, io: Any) -> List[Change]:
+        return zero_transformer_dropout(io.model(), self.config.dropout_scope, self.config.dropout_exclude)
+
+    def in_effect(self, ctx: Context) -> bool:
+        return not self.enabled or self.dropout_zeroed
+
+    def apply(self, ctx: Context) -> List[Change]:
+        if not self.enabled:
+            return []
+        changes = self._zero(ctx.io)
+        self.dropout_zeroed = True
+        return changes
+
+    def resume(self, io: Any) -> None:
+        if self.dropout_zeroed:
+            changes = self._zero(io)
+            if changes:
+                io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"dropout_zeroed": self.dropout_zeroed}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.dropout_zeroed = bool(state.get("dropout_zeroed", False))
+
+    def summary(self, io: Any) -> Dict[str, Any]:
+        return {"dropout_zeroed": self.dropout_zeroed}

@@ -1,13 +1,15 @@
 """The fp32 remedy: a module's forward run with autocast off and half inputs cast up, from now on."""
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..causes import Cause
 from ..flags import autocast_off
+from .base import Context, Remedy, When
 from .change import Change
 
-__all__ = ["force_fp32", "release_fp32", "is_fp32", "fp32_modules", "apply_fp32"]
+__all__ = ["force_fp32", "release_fp32", "is_fp32", "fp32_modules", "apply_fp32", "Fp32Remedy"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _MARK = "_petr_stability_fp32"
@@ -115,3 +117,49 @@ def apply_fp32(model: nn.Module, names: Iterable[str]) -> List[Change]:
         if change is not None:
             changes.append(change)
     return changes
+
+
+class Fp32Remedy(Remedy):
+    """Forward overflow: the module named runs in fp32 from now on (already in fp32: structural); with
+    ``fp32_modules``, from the start; again on resume."""
+
+    name = "fp32"
+    causes = (Cause.FORWARD_OVERFLOW,)
+    when = When.BEFORE_RESTORE
+    section = "policy"
+    state_keys = ("fp32",)
+    fixes = (("fp32_modules", "fp32_modules"),)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.fp32: List[str] = []
+
+    def apply(self, ctx: Context) -> List[Change]:
+        c = ctx.cls
+        if all(m in self.fp32 for m in c.modules):
+            ctx.history.mark_spent(Cause.FORWARD_OVERFLOW, f"{c.modules} already run in fp32")
+            c.cause = Cause.STRUCTURAL
+            c.evidence += "; the module already runs in fp32"
+            return []
+        changes = apply_fp32(ctx.io.model(), c.modules)
+        self.fp32.extend(m for m in c.modules if m not in self.fp32)
+        return changes
+
+    def resume(self, io: Any) -> None:
+        for change in apply_fp32(io.model(), self.fp32):
+            io.log(f"NanGuard: resumed remedy: {change.target} runs in fp32")
+        configured = [m for m in self.config.fp32_modules if m not in self.fp32]
+        for change in apply_fp32(io.model(), configured):
+            io.log(f"NanGuard: {change.target} runs in fp32 (fp32_modules)")
+        self.fp32.extend(configured)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"fp32": list(self.fp32)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.fp32 = list(state.get("fp32", []))
+
+    def summary(self, io: Any) -> Dict[str, Any]:
+        model = io.model()
+        return {"fp32_modules": {m: type(model if m == "(model)" else model.get_submodule(m)).__name__
+                                 for m in self.fp32}}

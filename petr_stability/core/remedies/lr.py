@@ -1,10 +1,12 @@
 """The learning-rate remedy: the rate times a factor, now and in every later value of its schedules."""
 import math
-from typing import Any, Iterable, List
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
+from ..causes import Cause
+from .base import Context, Remedy, When
 from .change import Change
 
-__all__ = ["scale_lr"]
+__all__ = ["scale_lr", "LrBackoff"]
 
 
 def _check_factor(factor: Any) -> float:
@@ -83,3 +85,55 @@ def scale_lr(optimizers: Iterable[Any], factor: float, schedulers: Iterable[Any]
             setattr(sched, attr, new)
             changes.append(Change(f"{name}.{attr}", value, new))
     return changes
+
+
+class LrBackoff(Remedy):
+    """The ladder's second rung: every learning rate (and schedule) times ``lr_backoff``. It lasts: a restore to a
+    state from before a backoff brings that state's rates back to the run's factor."""
+
+    name = "lr"
+    causes = (Cause.DYNAMICS, Cause.UNKNOWN)
+    rung = 2
+    rung_name = "learning rate backoff"
+    when = When.AFTER_RESTORE
+    section = "policy"
+    state_keys = ("lr_factor",)
+    fixes = (("lr_factor", "lr_factor"),)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        #: The product of every learning-rate backoff so far.
+        self.lr_factor = 1.0
+
+    @classmethod
+    def rung_text(cls, config: Any) -> str:
+        return f"learning rate x {config.lr_backoff:g} (schedules too)"
+
+    @staticmethod
+    def factor_in(guard_state: Optional[Mapping[str, Any]]) -> float:
+        """The factor in force in a checkpoint's guard state (1.0 where it has none)."""
+        return float(((guard_state or {}).get("policy") or {}).get("lr_factor", 1.0))
+
+    def tags(self) -> Dict[str, Any]:
+        return {"lr_factor": self.lr_factor}
+
+    def restored(self, ctx: Context) -> None:
+        payload = ctx.extra["restored"]
+        if ctx.io.restores_lr() and payload.lr_factor != self.lr_factor:
+            # The restored optimizer and schedules predate a backoff: bring them back to the run's factor.
+            scale_lr(ctx.io.optimizers(), self.lr_factor / payload.lr_factor, ctx.io.restored_lr_schedulers())
+
+    def apply(self, ctx: Context) -> List[Change]:
+        if not self.enabled:
+            return []
+        self.lr_factor *= self.config.lr_backoff
+        return scale_lr(ctx.io.optimizers(), self.config.lr_backoff, ctx.io.lr_schedulers())
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"lr_factor": self.lr_factor}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.lr_factor = float(state.get("lr_factor", 1.0))
+
+    def summary(self, io: Any) -> Dict[str, Any]:
+        return {"lr_factor": self.lr_factor}

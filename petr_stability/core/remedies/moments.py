@@ -6,10 +6,12 @@ from typing import Any, List, Mapping, Tuple
 import torch
 from torch import nn
 
+from ..causes import Cause
 from ..flags import HAS_FOREACH_NORM
+from .base import Context, Remedy, When
 from .change import Change
 
-__all__ = ["reset_moments", "exploded_params"]
+__all__ = ["reset_moments", "exploded_params", "MomentsReset"]
 
 
 def _named(params: Any) -> List[Tuple[str, torch.Tensor]]:
@@ -83,3 +85,34 @@ def exploded_params(model: nn.Module, threshold_ratio: float = 100.0) -> List[st
     median = statistics.median(finite) if finite else math.inf
     limit = threshold_ratio * median
     return [n for (n, _), v in zip(named, values) if not math.isfinite(v) or (median > 0 and v > limit)]
+
+
+class MomentsReset(Remedy):
+    """The ladder's third rung: the optimizer moments of the tensors whose gradients exploded (``exploded_ratio``
+    times the median), cleared after the restore; every tensor's where none is named."""
+
+    name = "moments"
+    causes = (Cause.DYNAMICS, Cause.UNKNOWN)
+    rung = 3
+    rung_name = "optimizer moments reset"
+    when = When.AFTER_RESTORE
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.exploded: List[str] = []
+
+    def prepare(self, ctx: Context) -> None:
+        # Named now, while the failing step's gradients are still there (MMCV 1.x keeps them; where the runner
+        # already zeroed them, every tensor's moments are reset).
+        if self.enabled:
+            self.exploded = exploded_params(ctx.io.model(), self.config.exploded_ratio)
+
+    def apply(self, ctx: Context) -> List[Change]:
+        if not self.enabled:
+            return []
+        params = dict(ctx.io.model().named_parameters())
+        names = self.exploded or list(params)
+        changes: List[Change] = []
+        for opt in ctx.io.optimizers():
+            changes += reset_moments(opt, [(n, params[n]) for n in names if n in params])
+        return changes

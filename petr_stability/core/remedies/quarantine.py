@@ -6,12 +6,19 @@ source (:class:`~..tracking.SampleTracker` puts it there) replaces them by healt
 resume. :func:`quarantine_samples` is the remedy. Torch only: MMEngine's and MMCV 1.x's samplers are duck-typed.
 """
 import math
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from ..causes import Cause
+from ..samples import indices_of, resolve_indices
 from ..samples import key as _key
+from .base import Context, Remedy, When
 from .change import Change
 
-__all__ = ["SkipList", "QuarantineSampler", "QuarantineRefused", "quarantine_samples"]
+__all__ = ["SkipList", "QuarantineSampler", "QuarantineRefused", "quarantine_samples", "Quarantine",
+           "short_samples"]
+
+#: Samples remembered for the recurrence rule (the newest kept): far more than any run's bad samples.
+_MAX_SIGHTINGS = 100000
 
 
 class SkipList:
@@ -237,3 +244,135 @@ def quarantine_samples(skip: SkipList, indices: Iterable[int],
         raise QuarantineRefused(f"quarantining {indices} would pass the bound of {skip.capacity} sample(s)")
     return [Change("quarantine.samples", before, len(skip))]
 
+
+
+def short_samples(samples: List[Dict[str, Any]], limit: int = 4) -> str:
+    """``(index=3, token=a), (index=9)`` and how many more: samples as one log line names them."""
+    shown = ", ".join(", ".join(f"{k}={v}" for k, v in s.items()).join("()") for s in samples[:limit])
+    return shown + (f" and {len(samples) - limit} more" if len(samples) > limit else "")
+
+
+class Quarantine(Remedy):
+    """Data: the broken batch's samples (by dataset index) are never served again, within
+    ``quarantine_fraction``; a sample that made steps go wrong in two epochs too (``quarantine_recurring``). The
+    skip list and the sightings ride in the checkpoint; ``quarantine`` pins indices from the start."""
+
+    name = "quarantine"
+    causes = (Cause.DATA,)
+    when = When.BEFORE_RESTORE
+    section = "policy"
+    state_keys = ("skip", "sightings")
+    fixes = (("quarantine", "quarantined"),)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.skip: Optional[SkipList] = None
+        #: Dataset index -> the (at most two) epochs in which it made a step go wrong.
+        self.sightings: Dict[int, List[int]] = {}
+
+    def skip_list(self, io: Any) -> Any:
+        """The quarantine the training loader's sampler honours, sized for its dataset (once the loader exists):
+        a :class:`SkipList` carrying a resumed run's quarantine and the ``quarantine`` argument, or an empty set where
+        the quarantine is off."""
+        if not self.enabled:
+            return set()
+        pinned = list(self.config.quarantine)
+        skip = SkipList(io.dataset_size(), max_fraction=self.config.quarantine_fraction, allowance=len(pinned))
+        if self.skip is not None:
+            skip.load_state_dict(self.skip.state_dict())
+            if len(skip):
+                io.log(f"NanGuard: resumed quarantine of {len(skip)} sample(s): dataset indices {list(skip)}")
+        if pinned:
+            skip.add(pinned, {"from": "quarantine"})
+            io.log(f"NanGuard: {len(pinned)} sample(s) quarantined from the start (quarantine): dataset indices "
+                   f"{pinned}")
+        self.skip = skip
+        return skip
+
+    def apply(self, ctx: Context) -> List[Change]:
+        c, ids = ctx.cls, ctx.ids
+        indices = sorted(set(resolve_indices(ctx.io.dataset(), ids))) if ids else []
+        if not self.enabled or self.skip is None or not indices:
+            # Nothing to name: the batch goes by; hyperparameters were never the problem.
+            c.evidence += f"; its samples cannot be named ({self._unnamed(ids)}): nothing quarantined"
+            return []
+        try:
+            changes = quarantine_samples(self.skip, indices, {"iteration": c.signals.get("iteration")})
+        except QuarantineRefused as exc:
+            c.signals["refused"] = list(ids)
+            if self.skip.full:  # earlier incidents took the whole bound: too much bad data to be data
+                ctx.history.mark_spent(Cause.DATA, f"the skip list is full ({self.skip.capacity} samples)")
+                c.signals["evidence_cause"] = Cause.DATA.value
+                c.cause = Cause.STRUCTURAL
+                c.evidence += f"; {exc}, and the list is full"
+            else:  # the batch is larger than the room left: skipped, nothing quarantined (a second one: structural)
+                c.evidence += f"; {exc}: nothing quarantined, the batch is skipped"
+            return []
+        c.signals["quarantined"] = list(ids)
+        return changes
+
+    def _unnamed(self, ids: Sequence[Dict[str, Any]]) -> str:
+        if not self.enabled or self.skip is None:
+            return "the quarantine is off"
+        if ids:
+            carried = sorted({k for i in ids for k in i if k != "rank"})
+            return f"the ids it carries ({', '.join(carried)}) name no single dataset index"
+        return "no dataset indices known and no sample ids in the batch"
+
+    def sighted(self, indices: Sequence[int], epoch: int) -> List[int]:
+        """Remembers that these samples made a step go wrong in ``epoch``; returns those now seen in two different
+        epochs and not yet quarantined (``quarantine_recurring``)."""
+        recurring = []
+        for index in indices:
+            epochs = self.sightings.setdefault(int(index), [])
+            if epoch not in epochs:
+                epochs.append(epoch)
+                del epochs[:-2]  # two epochs decide
+            quarantined = self.skip is not None and index in self.skip
+            if len(epochs) >= 2 and not quarantined and self.config.quarantine_recurring:
+                recurring.append(int(index))
+        while len(self.sightings) > _MAX_SIGHTINGS:  # oldest first (dicts keep insertion order)
+            self.sightings.pop(next(iter(self.sightings)))
+        return recurring
+
+    def recurring(self, ctx: Context, named: List[Dict[str, Any]], epoch: int) -> Optional[Tuple[List[Change],
+                                                                                                List[Dict[str, Any]],
+                                                                                                str]]:
+        """Samples named by a step that went wrong: those seen in two epochs are quarantined (within the bound) and
+        named in one log line. Returns (changes, samples, reason) for their record, or None when none recurred."""
+        if not named:
+            return None
+        recurring = self.sighted(indices_of(named, ctx.io.dataset()), epoch)
+        if not recurring:
+            return None
+        changes, why = self._take(recurring, ctx.iteration)
+        samples = [s for s in named if s.get("index") in recurring] or [{"index": i} for i in recurring]
+        epochs = sorted({e for i in recurring for e in self.sightings.get(i, [])})
+        reason = f"made steps go wrong in epochs {epochs}" + ("" if changes else f"; not quarantined: {why}")
+        ctx.io.log(f"NanGuard: sample(s) {short_samples(samples)} {reason}"
+                   + ("; quarantined for the rest of the run" if changes else ""), "warning")
+        return changes, samples, reason
+
+    def _take(self, indices: List[int], iteration: int) -> Tuple[List[Change], str]:
+        if not self.enabled:
+            return [], "the quarantine remedy is off"
+        if self.skip is None:
+            return [], "no training loader to quarantine through"
+        try:
+            return quarantine_samples(self.skip, indices, {"iteration": iteration, "recurring": True}), ""
+        except QuarantineRefused as exc:
+            return [], str(exc)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"skip": None if self.skip is None else self.skip.state_dict(),
+                "sightings": {str(k): list(v) for k, v in self.sightings.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("skip"):
+            # The bound is this run's, set once the loader (and its dataset's size) is known: skip_list.
+            self.skip = SkipList(0, max_fraction=self.config.quarantine_fraction)
+            self.skip.load_state_dict(state["skip"])
+        self.sightings = {int(k): [int(e) for e in v] for k, v in dict(state.get("sightings", {})).items()}
+
+    def summary(self, io: Any) -> Dict[str, Any]:
+        return {"quarantined": [] if self.skip is None else list(self.skip)}

@@ -3,7 +3,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-__all__ = ["TEMPORAL_RESET_METHODS", "GENERIC_RESET_CLASSES", "reset_temporal_state"]
+from .base import Context, Remedy, When
+
+__all__ = ["TEMPORAL_RESET_METHODS", "GENERIC_RESET_CLASSES", "reset_temporal_state", "TemporalReset"]
 
 #: Methods that reset state a module keeps outside ``state_dict()``: StreamPETR's heads ``reset_memory()``
 #: (memory_embedding, memory_reference_point, memory_timestamp, memory_egopose, memory_velo), Sparse4D's
@@ -59,3 +61,16 @@ def reset_temporal_state(model: nn.Module, method_names: Sequence[str] = TEMPORA
         if done:
             reset.append(name or "(model)")
     return reset
+
+
+class TemporalReset(Remedy):
+    """After every rollback: the modules' state outside ``state_dict()`` (``temporal_reset`` methods) started
+    afresh, whatever the class."""
+
+    name = "temporal"
+    when = When.AFTER_ROLLBACK
+
+    def after_rollback(self, ctx: Context) -> List[str]:
+        if not self.enabled or not self.config.temporal_reset:
+            return []
+        return reset_temporal_state(ctx.io.model(), self.config.temporal_reset)
