@@ -11,20 +11,19 @@ returns its record; every remedy (a stalled scale made dynamic, the adaptive cli
 included) is the policy's to dispatch (:class:`~petr_stability.core.recovery.policy.CausePolicy`): the watch only
 watches.
 """
-import math
 from typing import Any, Dict, List, Optional
 
 from . import distributed
 from .batches import BatchWatch
 from .config import GuardConfig
 from .port import GuardIO
-from .records import Event, IncidentLog, step_record
+from .records import Event, IncidentLog
 from .recovery.chain import Incident, IncidentChain
 from .recovery.policy import CausePolicy
 from .recovery.restore import RestorePoints
-from .remedies.quarantine import short_samples
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
 from .watch.health import nonfinite_attributes, state_finite
+from .watch.skips import SkippedSteps
 from .watch.spikes import GradNormMonitor
 
 __all__ = ["NanGuard"]
@@ -49,17 +48,32 @@ class NanGuard:
         self.batches = BatchWatch(io)
         self.chain = IncidentChain(config, io, self.points, self.policy, self.batches, self.incidents.path)
         self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
+        self.skips = SkippedSteps(io, self.batches, self.policy)
         self.stalls = 0
-        self.skipped_steps = 0
-        self.fp32_skips = 0
         self._bad_attributes: List[str] = []
         #: Every record written since the driver last took them (:meth:`take_records`), on every rank.
         self.records: List[Dict[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        # A remedy's state read by its checkpoint key (guard.scale_made_dynamic): the registry's to name.
+        if name.startswith("__") or name == "policy":
+            raise AttributeError(name)
+        return getattr(self.policy, name)
 
     @property
     def recoveries(self) -> int:
         """Rollbacks (or no-rollback recoveries) so far in the run."""
         return self.chain.recoveries
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (by a loss scaler, or by the guard in fp32)."""
+        return self.skips.skipped_steps
+
+    @property
+    def fp32_skips(self) -> int:
+        """fp32 steps the guard skipped so far."""
+        return self.skips.fp32_skips
 
     @property
     def run_id(self) -> str:
@@ -96,8 +110,7 @@ class NanGuard:
             "run_id": self.points.run_id,
             **self.chain.state_dict(),
             "stalls": self.stalls,
-            "skipped_steps": self.skipped_steps,
-            "fp32_skips": self.fp32_skips,
+            **self.skips.state_dict(),
             **self.policy.state_dict(),
             "detector": self.detector.state_dict(),
             "spikes": self.spikes.state_dict(),
@@ -107,8 +120,7 @@ class NanGuard:
         self.points.run_id = str(state.get("run_id", self.points.run_id))
         self.chain.load_state_dict(state)
         self.stalls = int(state.get("stalls", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.fp32_skips = int(state.get("fp32_skips", 0))
+        self.skips.load_state_dict(state)
         self.policy.load_state_dict(state)
         self.detector.load_state_dict(state.get("detector", {}))
         self.spikes.load_state_dict(state.get("spikes", {}))
@@ -143,7 +155,7 @@ class NanGuard:
         elif agreed == Verdict.OVERFLOW:
             self._on_overflow(signals, decision)
         elif agreed == Verdict.STALLED:
-            self.skipped_steps += 1
+            self.skips.skipped_steps += 1
             self._on_stall(signals, decision)
         else:
             self._recover(signals, decision, inside=True)
@@ -183,41 +195,13 @@ class NanGuard:
         self.policy.on_healthy(self.io, self.spikes)
 
     def _on_overflow(self, signals: StepSignals, decision: Decision) -> None:
-        scaled = signals.scale_mode != "none"
-        if scaled and (signals.loss is None or math.isfinite(signals.loss)):
-            self.skipped_steps += 1
-            scale = "" if signals.loss_scale is None else f", loss scale now {signals.loss_scale:g}"
-            self.io.log(f"NanGuard: harmless overflow at iter {signals.iteration}: step skipped{scale} "
-                        f"({decision.reason})")
-            # Ordinary overflows are the scale's doing: only samples whose own values overflow fp16 are blamed.
-            self._learn(signals, self.batches.blame_flagged())
-            return
-        # fp32 has no loss scaler, and no loss scale makes a forward non-finite (the loss comes before the scaling):
-        # nothing here is ordinary. Every such step is an event in the incident log (which step, which samples of
-        # which rank: what a user needs to find bad data).
-        skipped = scaled or signals.step_applied is False
-        if skipped:
-            self.skipped_steps += 1
-            self.fp32_skips += 0 if scaled else 1
-        named = self.batches.blame(fp16=scaled)
-        what = ("fp16 step skipped by the loss scaler: the forward itself is non-finite" if scaled else
-                "fp32 step skipped before the optimizer applied it" if skipped else "non-finite loss, step applied")
-        self.incidents.write(self._step_record(Event.SKIP if skipped else Event.NONFINITE_LOSS, signals, decision,
-                                               batch=named or None))
-        self.io.log(f"NanGuard: {what} at iter {signals.iteration} ({decision.reason})"
-                    + (f"; samples: {short_samples(named)}" if named else ""), "warning")
-        if skipped:
-            self._learn(signals, named)
-
-    def _learn(self, signals: StepSignals, named: List[Dict[str, Any]]) -> None:
-        """Samples that made steps go wrong in two different epochs are named and quarantined (the same list on
-        every rank, so every rank decides the same)."""
-        found = self.policy.recurring(self.io, named, self.batches.epoch_of(signals.iteration), signals.iteration)
-        if found is None:
-            return
-        changes, samples, reason = found
-        self._emit(self._step_record(Event.RECURRING_SAMPLE, signals, Decision(Verdict.OVERFLOW, reason), changes,
-                                     batch=samples, quarantined=bool(changes)))
+        for skip in self.skips.overflow(signals, decision):
+            record = self.chain.record(skip.event, signals, skip.decision, skip.changes, self._bad_attributes,
+                                       **skip.fields)
+            if skip.emit:  # an incident: the driver writes the patched config after it
+                self._emit(record)
+            else:
+                self.incidents.write(record)
 
     def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
         changes = self.policy.on_stall(self.io, signals.iteration)
@@ -230,7 +214,7 @@ class NanGuard:
         self.chain.note(signals.iteration, changes)
         self.io.log(f"NanGuard: static loss scale stalled training at iter {signals.iteration} ({decision.reason}); "
                     + "; ".join(f"{c.target}: {c.old} -> {c.new}" for c in changes), "warning")
-        self._emit(self._step_record(Event.STALLED, signals, decision, changes))
+        self._emit(self.chain.record(Event.STALLED, signals, decision, changes, self._bad_attributes))
 
     def _healthy(self, optimizer: bool) -> bool:
         model = self.io.model()
@@ -272,12 +256,6 @@ class NanGuard:
         return distributed.reduce_max([0 if healthy_here else 1])[0] == 0
 
     # ------------------------------------------------------------------ records and scalars
-    def _step_record(self, event: Event, signals: StepSignals, decision: Decision, changes: List[Any] = (),
-                     **fields: Any) -> Dict[str, Any]:
-        extra = {"nonfinite_attributes": list(self._bad_attributes)} if self._bad_attributes else {}
-        return step_record(event, signals, decision, list(changes), self.recoveries, self.config.max_recoveries,
-                           distributed.get_world_size(), **extra, **fields)
-
     def _emit(self, record: Dict[str, Any]) -> None:
         self.incidents.write(record)
         self.records.append(record)

@@ -134,7 +134,7 @@ class GuardIO(abc.ABC):
     # -- signals
     @abc.abstractmethod
     def install_probes(self, skip_nonfinite_fp32: bool) -> None:
-        """Wraps each clip function in a :class:`~.remedies.ClipProbe` (an observing clip where none is set)."""
+        """Wraps each clip function in a :class:`~.watch.probe.ClipProbe` (an observing clip where none is set)."""
 
     @abc.abstractmethod
     def read_step(self) -> StepReading:

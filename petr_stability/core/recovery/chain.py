@@ -273,8 +273,14 @@ class IncidentChain:
             self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
 
     def _base(self, inc: Incident, event: Event, changes: List[Change], **fields: Any) -> Dict[str, Any]:
-        extra = {"nonfinite_attributes": list(inc.attributes)} if inc.attributes else {}
-        return step_record(event, inc.signals, inc.decision, changes, self.recoveries, self.config.max_recoveries,
+        return self.record(event, inc.signals, inc.decision, changes, inc.attributes, **fields)
+
+    def record(self, event: Event, signals: StepSignals, decision: Decision, changes: List[Change],
+               attributes: List[str], **fields: Any) -> Dict[str, Any]:
+        """The one builder of the guard's records (an incident's, a skipped step's, a stall's): the step, the
+        changes, the run's recovery count and, where modules hold non-finite attributes, their names."""
+        extra = {"nonfinite_attributes": list(attributes)} if attributes else {}
+        return step_record(event, signals, decision, list(changes), self.recoveries, self.config.max_recoveries,
                            distributed.get_world_size(), **extra, **fields)
 
     def _log_recovery(self, inc: Incident) -> None:

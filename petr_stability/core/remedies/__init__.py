@@ -1,6 +1,7 @@
-"""Remedies as pure functions over live torch objects, one file per remedy; each returns the :class:`Change` list of
-what it changed (old and new value), so the guard records exactly what it did. None of them decides *when*: that is
-the policy's (:mod:`~petr_stability.core.recovery.policy`)."""
+"""Remedies, one file per remedy: pure functions over live torch objects, each returning the :class:`Change` list of
+what it changed (old and new value), so the guard records exactly what it did, and one :class:`~.base.Remedy` object
+saying which causes it serves, when it acts, its state and its part of the patched config. :mod:`.registry` lists
+them; the policy (:mod:`~petr_stability.core.recovery.policy`) chooses which act on an incident."""
 from .change import Change
 from .clip import tighten_clip
 from .dropout import DROPOUT_FLOAT_ATTRS, TRANSFORMER_CLASSES, zero_transformer_dropout
