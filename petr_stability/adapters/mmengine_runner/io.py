@@ -20,6 +20,7 @@ from ...core.safe_load import resolve_globals
 from ...core.watch.probe import ClipProbe, observing_clip
 from ..driver import STATE_KEY
 from .checkpoints import MMENGINE_CHECKPOINT_GLOBALS, load_mmengine_checkpoint
+from .private import inner_count, set_inner_count, set_log_scalars, set_loop_iter, swap_ema_state_dict
 
 __all__ = ["MMEngineIO", "allow_mmengine_resume"]
 
@@ -104,7 +105,7 @@ class MMEngineIO(GuardIO):
         return self.runner.iter, self.runner.epoch
 
     def set_counter(self, value: int) -> None:
-        self.runner.train_loop._iter = value
+        set_loop_iter(self.runner.train_loop, value)
 
     # -- diagnosis
     def rerun_forward(self, batch: Any) -> Optional[Callable[[], Any]]:
@@ -140,7 +141,7 @@ class MMEngineIO(GuardIO):
             "optimizer": self.runner.optim_wrapper.state_dict(),
             "param_schedulers": [s.state_dict() for s in self._schedulers()],
             "message_hub": {"log_scalars": self.runner.message_hub.log_scalars},
-            "inner_count": [w._inner_count for _, w in self._wrappers()],
+            "inner_count": [inner_count(w) for _, w in self._wrappers()],
         }
         ema = self._ema_hook()
         if ema is not None:  # the averaged weights go back with the model
@@ -160,11 +161,11 @@ class MMEngineIO(GuardIO):
             ema.ema_model.load_state_dict(state["ema_state_dict"], strict=False)
         hub = state.get("message_hub", {})
         if "log_scalars" in hub:
-            self.runner.message_hub._log_scalars = copy.deepcopy(hub["log_scalars"])
+            set_log_scalars(self.runner.message_hub, copy.deepcopy(hub["log_scalars"]))
         counts = state.get("inner_count")
         for i, (_, w) in enumerate(self._wrappers()):
             if counts is not None:
-                w._inner_count = counts[i]
+                set_inner_count(w, counts[i])
             else:  # a checkpoint file: the count of a finished iteration is its number
                 w.initialize_count_status(model, completed, self.runner.train_loop.max_iters)
 
@@ -191,7 +192,7 @@ class MMEngineIO(GuardIO):
         ema = self._ema_hook()
         if ema is not None and "ema_state_dict" in checkpoint:  # EMAHook already swapped this dict: redo it
             checkpoint["ema_state_dict"] = copy_to_host(ema.ema_model.state_dict())
-            ema._swap_ema_state_dict(checkpoint)
+            swap_ema_state_dict(ema, checkpoint)
         checkpoint["meta"]["iter"] = completed
 
     def checkpoint_files(self) -> List[str]:
@@ -203,7 +204,7 @@ class MMEngineIO(GuardIO):
         ckpt = load_mmengine_checkpoint(path)
         if "ema_state_dict" in ckpt and self._ema_hook() is not None:
             # EMAHook saves the averaged weights as 'state_dict' (for deployment): swap them back, as it does.
-            self._ema_hook()._swap_ema_state_dict(ckpt)
+            swap_ema_state_dict(self._ema_hook(), ckpt)
         if isinstance(ckpt.get("param_schedulers"), dict):
             ckpt["param_schedulers"] = [s for group in ckpt["param_schedulers"].values() for s in group]
         meta = ckpt.get("meta", {})
