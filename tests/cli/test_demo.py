@@ -10,7 +10,7 @@ from petr_stability.demo.run import MIN_ITERS, RUNS, SCENARIOS, settings_for
 #: The runs with a NanGuardHook: ``adaptive_clip`` is the guard with its own ``adaptive_clip=True``.
 GUARDED = ("guarded", "adaptive_clip")
 SUMMARY_KEYS = {"finished": bool, "state_finite": bool, "eval_loss": (float, type(None)), "incidents": int,
-                "iters_lost": int, "wall_s": float}
+                "iters_lost": int, "iters_lost_per_incident": list, "lost": bool, "wall_s": float}
 
 
 def test_settings_validate():
@@ -73,6 +73,8 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
             records = [json.loads(ln) for ln in log.read_text().splitlines()] if log.exists() else []
             assert run["incidents"] == sum(r["event"] in ("divergence", "stalled") for r in records)
             assert run["finished"] or any(r["event"] == "gave_up" for r in records)
+            assert len(run["iters_lost_per_incident"]) == run["incidents"]
+            assert sum(run["iters_lost_per_incident"]) == run["iters_lost"]
             if key not in GUARDED:
                 assert run["incidents"] == run["iters_lost"] == 0
         # The printed table says what the summary says, row by row.
@@ -85,6 +87,7 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
             assert cols[1] == ("yes" if run["state_finite"] else "NO")
             assert cols[2] == ("NaN/Inf" if run["eval_loss"] is None else f"{run['eval_loss']:.3f}")
             assert int(cols[3]) == run["incidents"] and int(cols[4]) == run["iters_lost"]
+            assert ("LOST" if run["lost"] else "ok") in cols
             assert f"{run['wall_s']:.1f}s" in cols
     # details.json: each guarded run's divergence classes, one per divergence the summary counts.
     details = json.loads((work / "details.json").read_text())
@@ -95,3 +98,43 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
                 assert len(run["causes"]) <= n and 0 < run["lr_factor"] <= 1
     assert (work / "demo.png").stat().st_size > 10_000
     assert "NanGuardHook(snapshot_interval=" in out and "the known manual fix" in out
+
+
+# ---------------------------------------------------------------------------------------------- the full scenarios
+# The demo's claims at its real size, on whatever CPU kernels run the suite: marked numerics, so make test runs them
+# natively and again under ATEN_CPU_CAPABILITY=default (the dynamics scenario's divergence once held on one kernel
+# set only). One full demo per session (~1.5 min on 2 idle cores).
+
+
+@pytest.fixture(scope="module")
+def full_demo(tmp_path_factory):
+    from petr_stability.demo.run import run_demo
+
+    work = tmp_path_factory.mktemp("demo_full")
+    results = run_demo(str(work), echo=False)
+    return {name: {r.key: r for r in runs} for name, runs in results.items()}
+
+
+def _why(r):
+    ev = "NaN/Inf" if r.eval_loss is None else f"{r.eval_loss:.3f}"
+    return (f"{r.key}: finished={r.finished} state_finite={r.state_finite} eval={ev} skipped={r.skipped_steps} "
+            f"incidents={r.incidents} lost per incident={r.iters_lost_per_incident} outcome={r.outcome}")
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_full_scenario_unguarded_run_is_lost(full_demo, scenario):
+    r = full_demo[scenario]["unguarded"]
+    assert r.lost, _why(r)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("scenario", [
+    "dynamics",
+    pytest.param("data_burst", marks=pytest.mark.xfail(
+        strict=False, reason="issue 27: the guarded data_burst run is lost by the classification rules")),
+])
+def test_full_scenario_guarded_run_is_ok(full_demo, scenario):
+    r = full_demo[scenario]["guarded"]
+    assert not r.lost and r.finished and r.state_finite and r.incidents >= 1, _why(r)
+    assert len(r.iters_lost_per_incident) == r.incidents, _why(r)
