@@ -1,5 +1,6 @@
 """Detector rules on both sides of every boundary, without a runner."""
 import math
+import re
 
 import pytest
 
@@ -149,8 +150,106 @@ def test_state_round_trip_and_old_state_loads():
         (dict(patience=2.5), "got 2.5"),
         (dict(min_loss_scale=0), "min_loss_scale must be a finite number > 0, got 0"),
         (dict(min_loss_scale=math.inf), "got inf"),
+        (dict(max_scale_fall=1), "max_scale_fall must be a number > 1"),
+        (dict(max_scale_fall=True), "off), got True"),
+        (dict(max_scale_fall="16"), "got '16'"),
     ],
 )
 def test_bad_thresholds_name_the_value(kwargs, needle):
-    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(needle)):
         DetectorConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- a skip streak the scale no longer explains
+# Measured on the demo's model (docs/demo.md, "Detecting sooner"): the scaler's calibration from 2**16 halves 6-7
+# times before the first applied step; after one, ordinary streaks are one skip long; a forward that overflows fp16
+# skips every step at every scale. max_scale_fall=16 fires at the fifth falling skip after an applied step.
+
+
+def _applied(det, n=3, start=0):
+    for i in range(start, start + n):
+        assert step(det, i, grad=5.0) == Verdict.HEALTHY
+
+
+def _streak(det, start, scale, n):
+    """n skips, the scale halving each time (as a dynamic scaler backs off); their decisions."""
+    out = []
+    for i in range(start, start + n):
+        scale /= 2
+        out.append(det.observe(StepSignals(i, grad_norm=INF, loss=2.0, loss_scale=scale, scale_mode="dynamic")))
+    return out
+
+
+def test_calibration_at_the_start_never_fits_a_scale_nor_fires():
+    # init_scale 2**30 (MMCV's PETR configs: 2**32 with a floor) halving 29 times before any step is applied:
+    # nothing was fitted, so only min_loss_scale could end it, and it does not until below 1.
+    det = DivergenceDetector()
+    decisions = _streak(det, 1, 2.0 ** 30, 29)
+    assert [d.verdict for d in decisions] == [Verdict.OVERFLOW] * 29
+    assert det.fitted_scale is None and not any(d.streak_start for d in decisions)
+    _applied(det, 1, start=30)
+    assert det.fitted_scale is None  # a clean step alone reads no scale
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_harmless_burst_after_applied_steps_does_not_fire(n):
+    det = DivergenceDetector()
+    _applied(det)
+    decisions = _streak(det, 3, 2048.0, n)
+    assert [d.verdict for d in decisions] == [Verdict.OVERFLOW] * n
+    assert [d.streak_start for d in decisions] == [True] + [False] * (n - 1)  # the restore point: its first skip
+    assert det.fitted_scale == 1024.0
+    _applied(det, 1, start=3 + n)
+    # The next streak starts from the lower scale, and is measured against it.
+    decisions = _streak(det, 10, 1024.0 / 2 ** n, 4)
+    assert [d.verdict for d in decisions] == [Verdict.OVERFLOW] * 4
+    assert det.fitted_scale == 512.0 / 2 ** n
+
+
+def test_streak_the_scale_no_longer_explains_fires_at_the_fifth_skip():
+    det = DivergenceDetector()
+    _applied(det)
+    decisions = _streak(det, 3, 2048.0, 5)  # 1024, 512, 256, 128, 64
+    assert [d.verdict for d in decisions] == [Verdict.OVERFLOW] * 4 + [Verdict.DIVERGED]
+    assert "loss scale down to 64, 16x below the scale the gradients fitted (1024; max_scale_fall=16)" in (
+        decisions[-1].reason)
+    # Against min_loss_scale alone this streak would have gone on to 0.5: eleven skips.
+    late = DivergenceDetector(DetectorConfig(max_scale_fall=math.inf))
+    _applied(late)
+    verdicts = [d.verdict for d in _streak(late, 3, 2048.0, 12)]
+    assert verdicts.index(Verdict.DIVERGED) == 11
+
+
+def test_after_a_rollback_the_fitted_scale_holds_and_a_start_state_calibrates_again():
+    det = DivergenceDetector()
+    _applied(det)
+    _streak(det, 3, 1024.0, 2)  # fitted 512
+    det.reset()  # a rollback
+    assert det.fitted_scale == 512.0 and not det.applied
+    # Rolled back to the run's start state: the scale calibrates from 2**16 back down to the fitted level.
+    decisions = _streak(det, 1, 2.0 ** 16, 7)  # down to 512
+    assert [d.verdict for d in decisions] == [Verdict.OVERFLOW] * 7 and not any(d.streak_start for d in decisions)
+    # Rolled back to a mid-run state whose next steps overflow at once: measured against the fitted scale.
+    det.reset()
+    decisions = _streak(det, 20, 512.0, 4)  # 256, 128, 64, 32
+    assert [d.verdict for d in decisions] == [Verdict.OVERFLOW] * 3 + [Verdict.DIVERGED]
+
+
+def test_static_scale_and_fp32_are_untouched_by_the_fall_rule():
+    det = DivergenceDetector()
+    _applied(det)
+    for i in range(4):
+        d = det.observe(StepSignals(3 + i, grad_norm=INF, loss=1.0, loss_scale=512.0, scale_mode="static"))
+        assert d.verdict == Verdict.OVERFLOW and not d.streak_start
+    assert det.fitted_scale is None
+
+
+def test_fall_rule_state_round_trip():
+    det = DivergenceDetector()
+    _applied(det)
+    _streak(det, 3, 1024.0, 2)
+    other = DivergenceDetector()
+    other.load_state_dict(det.state_dict())
+    assert other.state_dict() == det.state_dict() and other.fitted_scale == 512.0
+    other.load_state_dict({})
+    assert other.fitted_scale is None and other.applied is False

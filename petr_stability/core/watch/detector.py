@@ -79,11 +79,23 @@ class DetectorConfig:
         static_patience: M. Consecutive skipped steps under a static scale before the run is declared
             stalled. A static scale never backs off, so once gradients outgrow it every step is skipped;
             one or two skips at PETR's ``loss_scale=512.`` are ordinary. Defaults to 5.
+        max_scale_fall: F. A streak of skipped steps during which the dynamic scale falls to ``F`` times below
+            the *fitted* scale is a divergence. The fitted scale is the scale after the first skip of the latest
+            streak that followed an applied step: the gradients fitted under about twice that, so falling
+            ``F``-fold below it means they grew ``2F``-fold within one streak, which no scale explains (a forward
+            pass that overflows fp16 overflows at every scale). The scaler's own calibration at the start
+            (``init_scale`` 2**16 or 2**30 halving 6-14 times before the first applied step) never counts: nothing
+            is fitted yet; nor does calibrating again from the start state after a rollback (it comes down from
+            above to the same level). Measured (docs/demo.md, "Detecting sooner"): ordinary streaks after an
+            applied step are one skip long (a batch past the scale's headroom); at 16 and the usual backoff of 0.5
+            the fifth consecutive skip fires, against the eleventh or twelfth by ``min_loss_scale`` from 1024.
+            ``math.inf`` turns the rule off. Defaults to 16.0.
     """
 
     patience: int = 3
     min_loss_scale: float = 1.0
     static_patience: int = 5
+    max_scale_fall: float = 16.0
 
     def __post_init__(self) -> None:
         for name in ("patience", "static_patience"):
@@ -92,6 +104,9 @@ class DetectorConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.min_loss_scale, (int, float)) or not (0 < self.min_loss_scale < math.inf):
             raise ValueError(f"min_loss_scale must be a finite number > 0, got {self.min_loss_scale!r}")
+        if (isinstance(self.max_scale_fall, bool) or not isinstance(self.max_scale_fall, (int, float))
+                or not (1 < self.max_scale_fall <= math.inf)):
+            raise ValueError(f"max_scale_fall must be a number > 1 (math.inf: off), got {self.max_scale_fall!r}")
 
 
 @dataclass
@@ -100,6 +115,9 @@ class Decision:
 
     verdict: Verdict
     reason: str = ""
+    #: The first skipped step of a streak that follows an applied step: its weights are the last applied step's,
+    #: the closest restore point before the streak (the guard keeps it while the streak lasts).
+    streak_start: bool = False
 
 
 class DivergenceDetector:
@@ -114,7 +132,8 @@ class DivergenceDetector:
        computed before scaling, so no scale can cause or cure it). In fp32 a non-finite loss with finite
        gradients counts here and nowhere else;
     5. ``patience`` consecutive non-finite steps whose dynamic scale did not fall, or ``patience`` consecutive
-       fp32 steps skipped for a non-finite gradient: DIVERGED;
+       fp32 steps skipped for a non-finite gradient, or a skip streak whose dynamic scale fell
+       ``max_scale_fall``-fold below the scale the gradients fitted (a streak no scale explains): DIVERGED;
     6. ``static_patience`` consecutive skipped steps under a static scale: STALLED;
     7. any other non-finite step: OVERFLOW (the scaler or the guard's fp32 skip kept it out of the weights, or
        only the loss was non-finite);
@@ -123,10 +142,19 @@ class DivergenceDetector:
 
     def __init__(self, config: Optional[DetectorConfig] = None) -> None:
         self.config = config or DetectorConfig()
+        #: The dynamic scale after the first skip of the latest streak that followed an applied step: the
+        #: gradients fitted under about twice it. Kept across :meth:`reset`.
+        self.fitted_scale: Optional[float] = None
         self.reset()
 
     def reset(self) -> None:
-        """Forgets streaks (after a rollback the state that produced them is gone)."""
+        """Forgets streaks (after a rollback the state that produced them is gone) and that the last step was
+        applied; the fitted scale stays (a restored scaler is at or above it, or calibrates back down to it)."""
+        self._clear_streaks()
+        #: The last optimizer step was applied (since the start or the last reset).
+        self.applied = False
+
+    def _clear_streaks(self) -> None:
         self.overflow_streak = 0
         self.stuck_streak = 0
         self.loss_streak = 0
@@ -140,7 +168,8 @@ class DivergenceDetector:
         if not s.stepped:
             return Decision(Verdict.HEALTHY, "no optimizer step on this iteration")
         if not s.suspicious:
-            self.reset()
+            self._clear_streaks()
+            self.applied = True
             return Decision(Verdict.HEALTHY)
 
         grad_bad, loss_bad = not _finite(s.grad_norm), not _finite(s.loss)
@@ -149,6 +178,10 @@ class DivergenceDetector:
         if s.scale_mode == "none":
             return self._observe_fp32(s, grad_bad, what)
         self.overflow_streak += 1
+        starts = s.scale_mode == "dynamic" and self.overflow_streak == 1 and self.applied and s.loss_scale is not None
+        if starts:
+            self.fitted_scale = s.loss_scale
+        self.applied = False
         if s.scale_mode == "dynamic" and s.loss_scale is not None and s.loss_scale < cfg.min_loss_scale:
             return Decision(
                 Verdict.DIVERGED, f"dynamic loss scale fell to {s.loss_scale:g} < min_loss_scale={cfg.min_loss_scale:g}"
@@ -164,12 +197,21 @@ class DivergenceDetector:
                     Verdict.DIVERGED,
                     f"{self.stuck_streak} consecutive overflows with the loss scale no longer falling ({what})",
                 )
+            if self.fitted_scale is not None and s.loss_scale is not None and (
+                    s.loss_scale * cfg.max_scale_fall <= self.fitted_scale):
+                return Decision(
+                    Verdict.DIVERGED,
+                    f"{self.overflow_streak} consecutive skipped steps with the loss scale down to {s.loss_scale:g}, "
+                    f"{self.fitted_scale / s.loss_scale:g}x below the scale the gradients fitted "
+                    f"({self.fitted_scale:g}; max_scale_fall={cfg.max_scale_fall:g}): no scale explains the "
+                    f"overflows ({what})",
+                )
         elif self.overflow_streak >= cfg.static_patience:
             return Decision(
                 Verdict.STALLED,
                 f"{self.overflow_streak} consecutive skipped steps under a static loss scale of {s.loss_scale}",
             )
-        return Decision(Verdict.OVERFLOW, f"skipped step ({what}), streak {self.overflow_streak}")
+        return Decision(Verdict.OVERFLOW, f"skipped step ({what}), streak {self.overflow_streak}", streak_start=starts)
 
     def _observe_fp32(self, s: StepSignals, grad_bad: bool, what: str) -> Decision:
         # No loss scaler: a non-finite gradient is never ordinary. It is a divergence when it reached the weights,
@@ -197,6 +239,8 @@ class DivergenceDetector:
             "stuck_streak": self.stuck_streak,
             "loss_streak": self.loss_streak,
             "last_scale": self.last_scale,
+            "applied": self.applied,
+            "fitted_scale": self.fitted_scale,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -204,3 +248,6 @@ class DivergenceDetector:
         self.stuck_streak = int(state.get("stuck_streak", 0))
         self.loss_streak = int(state.get("loss_streak", 0))
         self.last_scale = state.get("last_scale")
+        self.applied = bool(state.get("applied", False))
+        fitted = state.get("fitted_scale")
+        self.fitted_scale = None if fitted is None else float(fitted)
