@@ -253,3 +253,16 @@ def test_fall_rule_state_round_trip():
     assert other.state_dict() == det.state_dict() and other.fitted_scale == 512.0
     other.load_state_dict({})
     assert other.fitted_scale is None and other.applied is False
+
+
+def test_resumed_scaler_calibrating_from_its_init_scale_does_not_fire():
+    # A checkpoint saved after applied steps, resumed with a scaler that starts again from 2**16: the first skip
+    # after the resume is no evidence of a fitted 2**15, so the calibration down to the saved fitted level is quiet.
+    det = DivergenceDetector()
+    _applied(det)
+    _streak(det, 3, 1024.0, 1)  # fitted 512
+    _applied(det, 2, start=4)
+    resumed = DivergenceDetector()
+    resumed.load_state_dict(det.state_dict())
+    decisions = _streak(resumed, 6, 2.0 ** 16, 7)
+    assert [d.verdict for d in decisions] == [Verdict.OVERFLOW] * 7 and resumed.fitted_scale == 512.0

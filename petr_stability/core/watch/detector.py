@@ -239,7 +239,6 @@ class DivergenceDetector:
             "stuck_streak": self.stuck_streak,
             "loss_streak": self.loss_streak,
             "last_scale": self.last_scale,
-            "applied": self.applied,
             "fitted_scale": self.fitted_scale,
         }
 
@@ -248,6 +247,8 @@ class DivergenceDetector:
         self.stuck_streak = int(state.get("stuck_streak", 0))
         self.loss_streak = int(state.get("loss_streak", 0))
         self.last_scale = state.get("last_scale")
-        self.applied = bool(state.get("applied", False))
+        # Not restored: a resumed scaler may start again from its init_scale, and a step applied before the save is
+        # no evidence that the gradients fit that scale.
+        self.applied = False
         fitted = state.get("fitted_scale")
         self.fitted_scale = None if fitted is None else float(fitted)
