@@ -5,7 +5,14 @@
 log) needs torch only.
 """
 from .core.config import GuardConfig
-from .core.errors import NanGuardError, NanGuardGaveUp, NoHealthyStateError, StructuralDivergence, UnsafeCheckpointError
+from .core.errors import (
+    BadDataError,
+    NanGuardError,
+    NanGuardGaveUp,
+    NoHealthyStateError,
+    StructuralDivergence,
+    UnsafeCheckpointError,
+)
 from .core.guard import NanGuard
 from .core.port import GuardIO
 from .core.records import INCIDENT_FILE, read_incidents
@@ -32,6 +39,7 @@ __all__ = [
     "NanGuardGaveUp",
     "NoHealthyStateError",
     "StructuralDivergence",
+    "BadDataError",
     "UnsafeCheckpointError",
     "read_incidents",
     "INCIDENT_FILE",

@@ -1,6 +1,7 @@
 """The plugin's own exception types."""
 
-__all__ = ["NanGuardError", "NanGuardGaveUp", "NoHealthyStateError", "StructuralDivergence", "UnsafeCheckpointError"]
+__all__ = ["NanGuardError", "NanGuardGaveUp", "NoHealthyStateError", "StructuralDivergence", "BadDataError",
+           "UnsafeCheckpointError"]
 
 
 class NanGuardError(RuntimeError):
@@ -18,6 +19,18 @@ class NoHealthyStateError(NanGuardGaveUp):
 class StructuralDivergence(NanGuardGaveUp):
     """The divergence is structural (a bug, a broken data pipeline): every new batch fails, or the remedies for its
     class are spent; rolling back again would only spend the budget."""
+
+
+class BadDataError(NanGuardGaveUp):
+    """A data problem, not a bug: samples the quarantine's bound refused came back and broke the run again. The
+    message names every bad sample found (quarantined and refused); the patched config quarantines them all, so the
+    next run starts without them. ``samples`` lists them as the incident records name them; ``samples_indices``
+    their dataset indices."""
+
+    def __init__(self, message: str, samples: "list" = ()) -> None:
+        super().__init__(message)
+        self.samples = [dict(s) for s in samples]
+        self.samples_indices = sorted({int(s["index"]) for s in self.samples if s.get("index") is not None})
 
 
 class UnsafeCheckpointError(NanGuardError):

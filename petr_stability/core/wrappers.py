@@ -12,7 +12,7 @@ each wrapper has had since mmdet3d 0.17 / mmdet 2.x / MMEngine 0.x / torch 1.9; 
 import bisect
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["Sample", "sample_of", "indices_serving", "describe"]
+__all__ = ["Sample", "sample_of", "indices_serving", "describe", "wraps"]
 
 #: A chain longer than this is a cycle (a wrapper whose ``dataset`` is itself), not a dataset.
 _MAX_DEPTH = 16
@@ -79,6 +79,11 @@ def _step(dataset: Any, index: int) -> Optional[Tuple[Any, int, Optional[int]]]:
 def _is_wrapper(dataset: Any) -> bool:
     inner, parts = _inner(dataset)
     return inner is not None or parts is not None
+
+
+def wraps(dataset: Any) -> bool:
+    """Whether ``dataset`` wraps others (known here or not): then its indices are not its samples'."""
+    return dataset is not None and _is_wrapper(dataset)
 
 
 def _leaves(dataset: Any, depth: int = 0) -> List[Any]:

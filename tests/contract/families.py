@@ -67,6 +67,7 @@ class TorchLoopRun:
         # A map-style dataset of (2, 16) samples, 8 per batch (the decoder's sequence axis), 4 batches per pass.
         self.samples = list(torch.randn(32, 2, 16))
         self.io.loader = DataLoader(ListDataset(self.samples), batch_size=8, shuffle=False)
+        self.batch_size = 8
 
     def train(self) -> None:
         self.driver.start()
@@ -116,6 +117,12 @@ class TorchLoopRun:
         """NaN features in one sample of the dataset (a corrupt record)."""
         self.samples[index][0] = math.nan
 
+    def wrap_dataset(self, wrap: Any) -> Any:
+        """Trains on ``wrap(the dataset)`` (before train()); returns the wrapped dataset."""
+        dataset = wrap(self.io.loader.dataset)
+        self.io.loader = DataLoader(dataset, batch_size=8, shuffle=False)
+        return dataset
+
 
 class MMEngineRun:
     """A real MMEngine Runner (tests/mmengine/harness.py) with the CPU fp16 AmpOptimWrapper."""
@@ -131,14 +138,25 @@ class MMEngineRun:
                                    model_kwargs=dict(num_layers=1, num_query=16), clip_grad=clip_grad,
                                    checkpoint=checkpoint, resume=resume, cfg=cfg)
         self.hook = next(h for h in self.runner.hooks if type(h).__name__ == "NanGuardHook")
+        self.batch_size = self.runner._train_dataloader["batch_size"]
 
     def train(self) -> None:
         self.runner.train()
 
     def corrupt(self, index: int) -> None:
         """NaN pixels in one sample of the dataset (a corrupt image)."""
-        samples = self.runner._train_dataloader["dataset"].samples  # the loader is built by train()
+        samples = self._leaf.samples  # the loader is built by train()
         samples[index] = poison_pixels(samples[index])
+
+    @property
+    def _leaf(self) -> Any:
+        return getattr(self, "leaf", None) or self.runner._train_dataloader["dataset"]
+
+    def wrap_dataset(self, wrap: Any) -> Any:
+        """Trains on ``wrap(the dataset)`` (before train()); returns the wrapped dataset."""
+        self.leaf = self.runner._train_dataloader["dataset"]
+        self.runner._train_dataloader["dataset"] = wrap(self.leaf)
+        return self.runner._train_dataloader["dataset"]
 
     @property
     def guard(self) -> Any:
@@ -170,14 +188,22 @@ class MMCV1Run:
         self.runner = build_runner(work_dir, runner="iter", amp=dict(init_scale=64.0), max_iters=iters, guard=guard,
                                    faults=faults, grad_clip=grad_clip, checkpoint=checkpoint, meta=meta)
         self.hook = next(h for h in self.runner.hooks if type(h).__name__ == "NanGuardHook")
+        self.batch_size = self.runner.loader.batch_size
 
     def train(self) -> None:
         self.runner.run([self.runner.loader], [("train", 1)])
 
     def corrupt(self, index: int) -> None:
         """NaN pixels in one sample of the dataset (a corrupt image)."""
-        samples = self.runner.loader.dataset.samples
+        samples = (getattr(self, "leaf", None) or self.runner.loader.dataset).samples
         samples[index] = poison_pixels(samples[index])
+
+    def wrap_dataset(self, wrap: Any) -> Any:
+        """Trains on ``wrap(the dataset)`` (before train()); returns the wrapped dataset."""
+        self.leaf = self.runner.loader.dataset
+        loader = self.runner.loader
+        self.runner.loader = DataLoader(wrap(self.leaf), batch_size=loader.batch_size, shuffle=False)
+        return self.runner.loader.dataset
 
     @property
     def guard(self) -> Any:

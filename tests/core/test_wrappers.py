@@ -9,11 +9,11 @@ import os
 from collections import Counter
 
 import pytest
-import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from petr_stability.core.wrappers import describe, indices_serving, sample_of
 from petr_stability.testing.stacks import has_mmengine
+from petr_stability.testing.wrappers import CBGSLike, ClassBalancedLike, RepeatLike
 
 
 class Leaf(Dataset):
@@ -55,48 +55,6 @@ def test_torch_concat_and_subset_nested():
     assert indices_serving(sub, 0) == [0, 3] and indices_serving(sub, 1) == [1, 6]
     _check_against_getitem(Subset(ConcatDataset([Leaf(3, "a"), Leaf(3, "b")]), [5, 1, 5, 0, 1]))
     assert describe(sub, [0, 3])["part"] == 1
-
-
-class CBGSLike:
-    """mmdet3d 0.17 / 1.0rc's CBGSDataset, by its attributes: ``dataset`` and ``sample_indices``."""
-
-    def __init__(self, dataset, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.dataset = dataset
-        self.sample_indices = torch.randint(0, len(dataset), (3 * len(dataset),), generator=g).tolist()
-
-    def __len__(self) -> int:
-        return len(self.sample_indices)
-
-    def __getitem__(self, i: int):
-        return self.dataset[self.sample_indices[i]]
-
-
-class RepeatLike:
-    """mmdet 2.x's RepeatDataset: ``dataset``, ``times``, ``_ori_len``."""
-
-    def __init__(self, dataset, times: int) -> None:
-        self.dataset, self.times, self._ori_len = dataset, times, len(dataset)
-
-    def __len__(self) -> int:
-        return self.times * self._ori_len
-
-    def __getitem__(self, i: int):
-        return self.dataset[i % self._ori_len]
-
-
-class ClassBalancedLike:
-    """mmdet 2.x's ClassBalancedDataset: ``dataset`` and ``repeat_indices``."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
-        self.repeat_indices = [i for i in range(len(dataset)) for _ in range(1 + i % 3)]
-
-    def __len__(self) -> int:
-        return len(self.repeat_indices)
-
-    def __getitem__(self, i: int):
-        return self.dataset[self.repeat_indices[i]]
 
 
 @pytest.mark.parametrize("wrap", [

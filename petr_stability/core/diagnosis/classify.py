@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..causes import PRIORITY, Cause, Classification
 from .values import FP16_MAX
 
-__all__ = ["CauseHistory", "classify", "recurring", "merge", "batch_broke"]
+__all__ = ["CauseHistory", "classify", "recurring", "merge", "batch_broke", "good_batch_trains", "from_inputs"]
 
 
 class CauseHistory:
@@ -160,7 +160,7 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
     if report.get("error"):
         return Classification(Cause.UNKNOWN, f"the diagnosis failed: {report['error']}")
     cause, evidence, modules, signals = _evidence_cause(report, history)
-    early = iteration is not None and iteration <= history.first_iterations
+    early = iteration is not None and iteration <= history.first_iterations and not good_batch_trains(signals)
     if early and (cause == Cause.DATA or (cause == Cause.UNKNOWN and report.get("reproduced"))):
         # The run's first batches already break the weights it started from: nothing ever trained healthily.
         return Classification(Cause.STRUCTURAL,
@@ -181,9 +181,10 @@ def recurring(c: Classification, history: CauseHistory, iteration: Optional[int]
     structural: the batches keep breaking, not one sample. Returns ``c`` unchanged otherwise."""
     last = history.last()
     # Only after a quarantine: its samples are gone, yet the next batch breaks too. Without one (no sample ids),
-    # two bad batches in a row are a burst of bad data as much as a bug.
+    # two bad batches in a row are a burst of bad data as much as a bug. And never against the counterfactual: where
+    # the batch known to be good trains fine on the healthy weights, this batch is bad data, however soon it came.
     if (c.cause != Cause.DATA or last is None or last["cause"] != Cause.DATA.value or iteration is None
-            or not last.get("quarantined", True)):
+            or not last.get("quarantined", True) or good_batch_trains(c.signals)):
         return c
     clean = history.clean_since_last(iteration)
     if clean is None or clean >= history.recurrence_window:
@@ -192,6 +193,24 @@ def recurring(c: Classification, history: CauseHistory, iteration: Optional[int]
                                             "batch: every batch breaks, not one sample",
                           c.modules, dict(c.signals, evidence_cause=Cause.DATA.value, clean_iterations=clean),
                           dict(c.ranks))
+
+
+def good_batch_trains(signals: Mapping[str, Any]) -> bool:
+    """The evidence says the data is to blame: the batch known to be good, replayed on the same healthy state as the
+    failing one, trains fine there (the counterfactual), or the samples blamed hold non-finite values of their own.
+    No timing rule overrides it."""
+    good = signals.get("good_batch")
+    return (isinstance(good, Mapping) and good.get("reproduced") is False) or bool(signals.get("flagged_inputs"))
+
+
+def from_inputs(flagged: Sequence[Mapping[str, Any]], iteration: Optional[int] = None) -> Optional[Classification]:
+    """Where no replay ran: the samples of the batch whose own values are non-finite (or past fp16's range under
+    fp16) while the others' are not are evidence of bad data by themselves. None when no sample is flagged."""
+    if not flagged:
+        return None
+    return Classification(Cause.DATA, f"no replay ran, and {len(flagged)} sample(s) of the batch hold non-finite (or, "
+                                      "under fp16, out-of-range) values of their own while the others do not",
+                          [], {"flagged_inputs": len(flagged), "iteration": iteration})
 
 
 def merge(classifications: Sequence[Optional[Classification]]) -> Classification:

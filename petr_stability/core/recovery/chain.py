@@ -21,11 +21,12 @@ from .. import distributed
 from ..batches import BatchWatch
 from ..causes import Cause, Classification, row
 from ..config import GuardConfig
-from ..diagnosis import batch_broke, classify, diagnose_step, merge, recurring, summarize
-from ..errors import NanGuardGaveUp, NoHealthyStateError, StructuralDivergence
+from ..diagnosis import batch_broke, classify, diagnose_step, from_inputs, merge, recurring, summarize
+from ..errors import BadDataError, NanGuardGaveUp, NoHealthyStateError, StructuralDivergence
 from ..port import GuardIO, Payload
 from ..records import Event, step_record
 from ..remedies import Change
+from ..remedies.quarantine import short_samples
 from ..watch.detector import Decision, StepSignals
 from .policy import CausePolicy
 from .restore import RESTORE_ORDER, RestorePoints, as_tensors
@@ -175,8 +176,12 @@ class IncidentChain:
         history = self.policy.history
         if inc.diagnosis is not None:
             inc.local = classify(inc.diagnosis, history, inc.iteration, recurrence=False)
-        elif not distributed.is_distributed():
-            inc.local = classify(None, history, inc.iteration, recurrence=False)
+        else:
+            # No replay: the batch's own values are the evidence there is (a sample holding NaN is bad data).
+            fp16 = inc.signals.scale_mode != "none"
+            inc.local = from_inputs(self.batches.flagged(fp16), inc.iteration) if inc.batch is not None else None
+            if inc.local is None and not distributed.is_distributed():
+                inc.local = classify(None, history, inc.iteration, recurrence=False)
         return Step.AGREE
 
     def _agree(self, inc: Incident) -> Step:
@@ -184,7 +189,8 @@ class IncidentChain:
         # the gradient all-reduce), and within it the samples whose own values are bad, where only some are.
         fp16 = inc.signals.scale_mode != "none"
         mine = {"cls": None if inc.local is None else inc.local.as_dict(),
-                "ids": self.batches.suspects(fp16) if batch_broke(inc.diagnosis) else [],
+                "ids": (self.batches.suspects(fp16) if batch_broke(inc.diagnosis) else self.batches.flagged(fp16)
+                        if inc.local is not None and inc.local.signals.get("flagged_inputs") else []),
                 "checked": inc.signals.weights_finite}
         views = distributed.gather(mine)
         agreed = merge([None if v["cls"] is None else Classification.from_dict(v["cls"]) for v in views])
@@ -207,6 +213,13 @@ class IncidentChain:
         c = inc.cls
         if c.cause != Cause.STRUCTURAL:
             inc.changes = self.policy.act(c, self.io, inc.ids, self.recoveries + 1)
+        if c.signals.get("bad_data"):  # samples the bound refused broke the run again: data, not a bug
+            every = c.signals["bad_data"]
+            inc.stop = (BadDataError, f"a data problem, not a bug: {c.evidence}. Every bad sample found "
+                                      f"({len(every)}): {short_samples(every, 32)}; start the next run from the "
+                                      "patched config (its quarantine=[...] keeps them all out), fix or drop them, "
+                                      "or raise quarantine_fraction")
+            return Step.GIVE_UP
         if c.cause == Cause.STRUCTURAL:
             inc.changes = []
             inc.stop = (StructuralDivergence, f"the divergence is structural: {c.evidence}. Look at: "
@@ -260,7 +273,7 @@ class IncidentChain:
         msg = (f"NanGuard gave up at iter {inc.signals.iteration}: {why}. Last divergence: {inc.decision.reason}.\n"
                f"Remedies and rollbacks so far:\n{tried}\nIncident log: {self.log_path}")
         self.io.log(msg, "error")
-        inc.error = error(msg)
+        inc.error = error(msg, inc.cls.signals["bad_data"]) if error is BadDataError else error(msg)
         return Step.DONE
 
     # ------------------------------------------------------------------ helpers

@@ -9,8 +9,10 @@ import math
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..causes import Cause
-from ..samples import indices_of, resolve_indices
+from ..errors import BadDataError
 from ..samples import key as _key
+from ..samples import resolve_indices
+from ..wrappers import describe, indices_serving, sample_of, wraps
 from .base import Context, Remedy, When
 from .change import Change
 
@@ -48,6 +50,9 @@ class SkipList:
         self.min_count = min_count
         self.allowance = max(0, int(allowance))
         self._meta: Dict[int, Dict[str, Any]] = {}
+        #: Sample -> the indices it is served under (a resampling wrapper serves one sample under many): the bound
+        #: counts samples. An index added alone is its own sample.
+        self._samples: Dict[str, List[int]] = {}
 
     @property
     def capacity(self) -> int:
@@ -56,19 +61,31 @@ class SkipList:
 
     @property
     def full(self) -> bool:
-        """True when no further index can be added."""
-        return len(self._meta) >= self.capacity
+        """True when no further sample can be added."""
+        return len(self._samples) >= self.capacity
 
-    def add(self, indices: Iterable[Any], meta: Optional[Mapping[str, Any]] = None) -> bool:
+    @property
+    def samples(self) -> int:
+        """How many samples are quarantined (each under one index or more)."""
+        return len(self._samples)
+
+    def has_sample(self, sample: str) -> bool:
+        """Whether the sample named ``sample`` (:func:`~..wrappers.sample_of`'s key, or its ids) is quarantined."""
+        return sample in self._samples
+
+    def add(self, indices: Iterable[Any], meta: Optional[Mapping[str, Any]] = None,
+            sample: Optional[str] = None) -> bool:
         """Quarantines ``indices``, all or none.
 
         Args:
             indices: dataset indices (what the sampler yields).
             meta: what to remember with each new index (iteration, sample ids, incident). Defaults to None.
+            sample: the one sample all of ``indices`` serve (a resampling wrapper's copies of it); None: each index
+                is a sample of its own. Defaults to None.
 
         Returns:
-            True when every index is now quarantined (already-quarantined ones cost nothing); False, adding none,
-            when the new ones would pass :attr:`capacity`: data quarantine is spent and the run is structural.
+            True when every index is now quarantined (already-quarantined samples cost nothing, and neither do new
+            indices of one); False, adding none, when the new samples would pass :attr:`capacity`.
 
         Raises:
             ValueError: an index is not an integer in ``[0, dataset_size)``.
@@ -81,8 +98,12 @@ class SkipList:
                 raise ValueError(f"dataset index must be an integer in [0, {self.dataset_size}), got {index!r}")
             if key not in self._meta and key not in new:
                 new.append(key)
-        if len(self._meta) + len(new) > self.capacity:
+        groups = {sample: new} if sample is not None else {f"index:{k}": [k] for k in new}
+        fresh = [name for name in groups if name not in self._samples]
+        if len(self._samples) + len(fresh) > self.capacity:
             return False
+        for name, keys in groups.items():
+            self._samples.setdefault(name, []).extend(keys)
         for key in new:
             self._meta[key] = dict(meta or {})
         return True
@@ -102,11 +123,15 @@ class SkipList:
 
     def state_dict(self) -> Dict[str, Any]:
         # String keys: a checkpoint's state also goes through JSON-minded tools.
-        return {"version": 1, "indices": {str(k): dict(v) for k, v in sorted(self._meta.items())}}
+        return {"version": 2, "indices": {str(k): dict(v) for k, v in sorted(self._meta.items())},
+                "samples": {k: list(v) for k, v in self._samples.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # The bound is this run's (the config may have changed); what was quarantined stays quarantined.
         self._meta = {int(k): dict(v) for k, v in dict(state.get("indices", {})).items()}
+        samples = state.get("samples")  # version 1 (before samples): each index its own sample
+        self._samples = ({str(k): [int(i) for i in v] for k, v in dict(samples).items()} if samples is not None
+                         else {f"index:{k}": [k] for k in self._meta})
 
 
 _HOLE = object()
@@ -197,24 +222,34 @@ class QuarantineSampler:
                                 self.replaced += 1
                     last[slot] = index
                     out.append(index)
-                elif slot in last:
-                    out.append(last[slot])
+                elif self._healthy_substitute(last, slot) is not None:
+                    out.append(self._healthy_substitute(last, slot))
                     self.replaced += 1
                 else:
                     out.append(_HOLE)
             queue.append((is_batch, out))
-            if len(queue) > self._MAX_WAIT and last:
-                self._fill(queue, next(iter(last.values())))
+            if len(queue) > self._MAX_WAIT and self._healthy_substitute(last, -1) is not None:
+                self._fill(queue, self._healthy_substitute(last, -1))
             while queue and not any(x is _HOLE for x in queue[0][1]):
                 batch, done = queue.pop(0)
                 yield done if batch else done[0]
         if queue:
-            if not last:
+            if self._healthy_substitute(last, -1) is None:
                 raise RuntimeError(f"all {seen} indices this sampler yielded are quarantined: nothing healthy to "
                                    "train on (the skip list should have stopped the run as structural first)")
-            self._fill(queue, next(iter(last.values())))
+            self._fill(queue, self._healthy_substitute(last, -1))
             for batch, done in queue:
                 yield done if batch else done[0]
+
+    def _healthy_substitute(self, last: Dict[int, Any], slot: int) -> Any:
+        """The slot's previous index, unless it was quarantined since it was yielded (then another slot's, still
+        healthy); None when none is."""
+        if slot in last and not self._bad(last[slot]):
+            return last[slot]
+        for index in reversed(list(last.values())):
+            if not self._bad(index):
+                return index
+        return None
 
     def _fill(self, queue: List[Tuple[bool, List[Any]]], index: Any) -> None:
         for _, waiting in queue:
@@ -248,27 +283,34 @@ def quarantine_samples(skip: SkipList, indices: Iterable[int],
 
 def short_samples(samples: List[Dict[str, Any]], limit: int = 4) -> str:
     """``(index=3, token=a), (index=9)`` and how many more: samples as one log line names them."""
-    shown = ", ".join(", ".join(f"{k}={v}" for k, v in s.items()).join("()") for s in samples[:limit])
+    shown = ", ".join(", ".join(f"{k}={v}" for k, v in s.items() if k not in ("dataset", "served_as")).join("()")
+                      for s in samples[:limit])
     return shown + (f" and {len(samples) - limit} more" if len(samples) > limit else "")
 
 
 class Quarantine(Remedy):
-    """Data: the broken batch's samples (by dataset index) are never served again, within
-    ``quarantine_fraction``; a sample that made steps go wrong in two epochs too (``quarantine_recurring``). The
-    skip list and the sightings ride in the checkpoint; ``quarantine`` pins indices from the start."""
+    """Data: the broken batch's samples are never served again, under any index that serves them (a resampling
+    wrapper's copies included), within ``quarantine_fraction`` of the dataset's samples; a sample that made steps go
+    wrong in two epochs too (``quarantine_recurring``). A sample the bound refuses is named in the record as refused
+    and its batch skipped; when a refused sample breaks the run again, the run stops with
+    :class:`~..errors.BadDataError`, naming every bad sample found (the patched config quarantines them all). The
+    skip list, the sightings and the refused samples ride in the checkpoint; ``quarantine`` pins indices from the
+    start."""
 
     name = "quarantine"
     causes = (Cause.DATA,)
     when = When.BEFORE_RESTORE
     section = "policy"
-    state_keys = ("skip", "sightings")
-    fixes = (("quarantine", "quarantined"),)
+    state_keys = ("skip", "sightings", "refused")
+    fixes = (("quarantine", "bad_samples"),)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.skip: Optional[SkipList] = None
-        #: Dataset index -> the (at most two) epochs in which it made a step go wrong.
-        self.sightings: Dict[int, List[int]] = {}
+        #: Sample -> the (at most two) epochs in which it made a step go wrong.
+        self.sightings: Dict[str, List[int]] = {}
+        #: Sample -> how its record named it, for the samples the bound refused.
+        self.refused: Dict[str, Dict[str, Any]] = {}
 
     def skip_list(self, io: Any) -> Any:
         """The quarantine the training loader's sampler honours, sized for its dataset (once the loader exists):
@@ -281,7 +323,7 @@ class Quarantine(Remedy):
         if self.skip is not None:
             skip.load_state_dict(self.skip.state_dict())
             if len(skip):
-                io.log(f"NanGuard: resumed quarantine of {len(skip)} sample(s): dataset indices {list(skip)}")
+                io.log(f"NanGuard: resumed quarantine of {skip.samples} sample(s): dataset indices {list(skip)}")
         if pinned:
             skip.add(pinned, {"from": "quarantine"})
             io.log(f"NanGuard: {len(pinned)} sample(s) quarantined from the start (quarantine): dataset indices "
@@ -289,27 +331,100 @@ class Quarantine(Remedy):
         self.skip = skip
         return skip
 
+    # ------------------------------------------------------------------ naming samples by what they are
+    def identify(self, dataset: Any, named: Sequence[Dict[str, Any]]) -> List[Tuple[str, List[int], Dict[str, Any]]]:
+        """(sample, every dataset index serving it, how the record names it) for each distinct sample of ``named``.
+
+        A sample is known by where it lives (through the dataset wrappers, :func:`~..wrappers.sample_of`), else, past
+        a wrapper not known here, by the ids the data carries (``token``, ``sample_idx``), else by its index alone.
+        """
+        out: List[Tuple[str, List[int], Dict[str, Any]]] = []
+        seen = set()
+        for sample in named:
+            found = self._identify(dataset, sample)
+            if found is not None and found[0] not in seen:
+                seen.add(found[0])
+                out.append(found)
+        return out
+
+    def _identify(self, dataset: Any, sample: Dict[str, Any]) -> Optional[Tuple[str, List[int], Dict[str, Any]]]:
+        index = sample.get("index")
+        ids = {k: sample[k] for k in ("token", "sample_idx") if sample.get(k) is not None}
+        if index is None:
+            indices = resolve_indices(dataset, [sample]) if ids else []
+            if not indices:
+                return None
+            index = indices[0]
+        index = int(index)
+        try:
+            where = sample_of(dataset, index) if dataset is not None else None
+        except Exception:  # noqa: BLE001 (naming is evidence only: an index a wrapper cannot map names itself)
+            where = None
+        if where is not None and where.known and wraps(dataset):
+            key, indices = f"sample:{where.key}", indices_serving(dataset, index)
+        elif ids:  # past a wrapper of the user's own: the ids the data carries say which sample it is
+            key = "ids:" + ",".join(f"{k}={v}" for k, v in sorted(ids.items()))
+            indices = sorted({index} | set(resolve_indices(dataset, [ids])) | set(self._indices_of(key)))
+        else:
+            key, indices = f"index:{index}", [index]
+        named = dict(sample, index=index)
+        if wraps(dataset):
+            named.update(describe(dataset, indices))
+        return key, indices, named
+
+    def _indices_of(self, key: str) -> List[int]:
+        known = self.refused.get(key, {}).get("served_as", [])
+        return list(known) + (list(self.skip._samples.get(key, [])) if self.skip is not None else [])
+
+    # ------------------------------------------------------------------ a data incident
     def apply(self, ctx: Context) -> List[Change]:
         c, ids = ctx.cls, ctx.ids
-        indices = sorted(set(resolve_indices(ctx.io.dataset(), ids))) if ids else []
-        if not self.enabled or self.skip is None or not indices:
+        found = self.identify(ctx.io.dataset(), ids) if ids and self.enabled and self.skip is not None else []
+        if not found:
             # Nothing to name: the batch goes by; hyperparameters were never the problem.
             c.evidence += f"; its samples cannot be named ({self._unnamed(ids)}): nothing quarantined"
             return []
-        try:
-            changes = quarantine_samples(self.skip, indices, {"iteration": c.signals.get("iteration")})
-        except QuarantineRefused as exc:
-            c.signals["refused"] = list(ids)
-            if self.skip.full:  # earlier incidents took the whole bound: too much bad data to be data
-                ctx.history.mark_spent(Cause.DATA, f"the skip list is full ({self.skip.capacity} samples)")
-                c.signals["evidence_cause"] = Cause.DATA.value
-                c.cause = Cause.STRUCTURAL
-                c.evidence += f"; {exc}, and the list is full"
-            else:  # the batch is larger than the room left: skipped, nothing quarantined (a second one: structural)
-                c.evidence += f"; {exc}: nothing quarantined, the batch is skipped"
+        back = [named for key, _, named in found if key in self.refused]
+        if back:
+            c.signals["bad_data"] = self.bad_samples(found)
+            c.evidence += (f"; {short_samples(back)}, refused by the quarantine's bound of {self.skip.capacity} "
+                           "sample(s) before, broke the run again: a data problem, not a bug")
             return []
-        c.signals["quarantined"] = list(ids)
-        return changes
+        before = self.skip.samples
+        taken, refused = self._take_all(found, {"iteration": c.signals.get("iteration")})
+        if taken:
+            c.signals["quarantined"] = taken
+        if refused:
+            c.signals["refused"] = refused
+            c.evidence += (f"; quarantining {short_samples(refused)} would pass the bound of {self.skip.capacity} "
+                           "sample(s) (quarantine_fraction): refused, not quarantined; the batch is skipped")
+        return [Change("quarantine.samples", before, self.skip.samples)] if taken else []
+
+    def _take_all(self, found: List[Tuple[str, List[int], Dict[str, Any]]],
+                  meta: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+        taken, refused = [], []
+        for key, indices, named in found:
+            if self.skip.add(indices, dict(meta, sample=key), sample=key):
+                taken.append(named)
+                self.refused.pop(key, None)
+            else:
+                refused.append(named)
+                self.refused[key] = dict(named, served_as=sorted(set(indices)))
+        return taken, refused
+
+    def bad_samples(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]] = ()) -> List[Dict[str, Any]]:
+        """Every bad sample this run found, as records name them: quarantined, refused, and ``found``."""
+        out: Dict[str, Dict[str, Any]] = {}
+        if self.skip is not None:
+            for key, indices in self.skip._samples.items():
+                first = self.skip.meta(indices[0]) if indices else {}
+                out[key] = {"index": indices[0], "served_as": sorted(indices)} if len(indices) > 1 else \
+                    {"index": indices[0]}
+                if first.get("from"):
+                    out[key]["from"] = first["from"]
+        out.update({k: dict(v) for k, v in self.refused.items()})
+        out.update({k: dict(named, served_as=sorted(set(indices))) for k, indices, named in found})
+        return list(out.values())
 
     def _unnamed(self, ids: Sequence[Dict[str, Any]]) -> str:
         if not self.enabled or self.skip is None:
@@ -319,18 +434,21 @@ class Quarantine(Remedy):
             return f"the ids it carries ({', '.join(carried)}) name no single dataset index"
         return "no dataset indices known and no sample ids in the batch"
 
-    def sighted(self, indices: Sequence[int], epoch: int) -> List[int]:
-        """Remembers that these samples made a step go wrong in ``epoch``; returns those now seen in two different
-        epochs and not yet quarantined (``quarantine_recurring``)."""
+    # ------------------------------------------------------------------ samples seen in two epochs
+    def sighted(self, found: Mapping[str, Tuple[List[int], Dict[str, Any]]], epoch: int) -> List[str]:
+        """Remembers that these samples made a step go wrong in ``epoch``; returns those now seen twice, in two
+        different epochs or under two different indices (a resampling wrapper serves it again in the same pass), and
+        not yet quarantined (``quarantine_recurring``)."""
         recurring = []
-        for index in indices:
-            epochs = self.sightings.setdefault(int(index), [])
-            if epoch not in epochs:
-                epochs.append(epoch)
-                del epochs[:-2]  # two epochs decide
-            quarantined = self.skip is not None and index in self.skip
-            if len(epochs) >= 2 and not quarantined and self.config.quarantine_recurring:
-                recurring.append(int(index))
+        for key, (_, named) in found.items():
+            seen = self.sightings.setdefault(key, [])
+            mark = [int(epoch), int(named.get("index", -1))]
+            if mark not in seen:
+                seen.append(mark)
+                del seen[:-2]  # two sightings decide
+            quarantined = self.skip is not None and self.skip.has_sample(key)
+            if len(seen) >= 2 and not quarantined and self.config.quarantine_recurring:
+                recurring.append(key)
         while len(self.sightings) > _MAX_SIGHTINGS:  # oldest first (dicts keep insertion order)
             self.sightings.pop(next(iter(self.sightings)))
         return recurring
@@ -339,40 +457,71 @@ class Quarantine(Remedy):
                                                                                                 List[Dict[str, Any]],
                                                                                                 str]]:
         """Samples named by a step that went wrong: those seen in two epochs are quarantined (within the bound) and
-        named in one log line. Returns (changes, samples, reason) for their record, or None when none recurred."""
+        named in one log line. Returns (changes, samples, reason) for their record, or None when none recurred.
+
+        Raises:
+            BadDataError: a sample the bound refused before is among them.
+        """
         if not named:
             return None
-        recurring = self.sighted(indices_of(named, ctx.io.dataset()), epoch)
+        found = {key: (indices, sample) for key, indices, sample in self.identify(ctx.io.dataset(), named)}
+        recurring = self.sighted(found, epoch)
         if not recurring:
             return None
-        changes, why = self._take(recurring, ctx.iteration)
-        samples = [s for s in named if s.get("index") in recurring] or [{"index": i} for i in recurring]
-        epochs = sorted({e for i in recurring for e in self.sightings.get(i, [])})
-        reason = f"made steps go wrong in epochs {epochs}" + ("" if changes else f"; not quarantined: {why}")
-        ctx.io.log(f"NanGuard: sample(s) {short_samples(samples)} {reason}"
-                   + ("; quarantined for the rest of the run" if changes else ""), "warning")
-        return changes, samples, reason
+        epochs = sorted({e for k in recurring for e, _ in self.sightings.get(k, [])})
+        if not self.enabled or self.skip is None:
+            samples = [found[k][1] for k in recurring]
+            why = "the quarantine remedy is off" if not self.enabled else "no training loader to quarantine through"
+            return [], samples, f"made steps go wrong in epochs {epochs}; not quarantined: {why}"
+        back = [found[k][1] for k in recurring if k in self.refused]
+        if back:
+            raise BadDataError(self._bad_data_text(back, ctx.iteration), self.bad_samples(
+                [(k, found[k][0], found[k][1]) for k in recurring]))
+        before = self.skip.samples
+        taken, refused = self._take_all([(k, found[k][0], found[k][1]) for k in recurring],
+                                        {"iteration": ctx.iteration, "recurring": True})
+        changes = [Change("quarantine.samples", before, self.skip.samples)] if taken else []
+        reason = (f"made steps go wrong in epochs {epochs}" if len(epochs) > 1 else
+                  f"made steps go wrong twice in epoch {epochs[0]}, under dataset indices "
+                  f"{sorted({i for k in recurring for _, i in self.sightings.get(k, [])})}")
+        if refused:
+            reason += (f"; {short_samples(refused)} refused by the quarantine's bound of {self.skip.capacity} "
+                       "sample(s) (quarantine_fraction): not quarantined")
+        ctx.io.log(f"NanGuard: sample(s) {short_samples(taken + refused)} {reason}"
+                   + ("; quarantined for the rest of the run" if taken else ""), "warning")
+        return changes, taken + refused, reason
 
-    def _take(self, indices: List[int], iteration: int) -> Tuple[List[Change], str]:
-        if not self.enabled:
-            return [], "the quarantine remedy is off"
-        if self.skip is None:
-            return [], "no training loader to quarantine through"
-        try:
-            return quarantine_samples(self.skip, indices, {"iteration": iteration, "recurring": True}), ""
-        except QuarantineRefused as exc:
-            return [], str(exc)
+    def _bad_data_text(self, back: List[Dict[str, Any]], iteration: int) -> str:
+        every = self.bad_samples()
+        return (f"NanGuard stopped at iter {iteration}: a data problem, not a bug. {short_samples(back, 8)}, refused "
+                f"by the quarantine's bound of {self.skip.capacity} sample(s) (quarantine_fraction="
+                f"{self.config.quarantine_fraction}), broke the run again. Every bad sample found "
+                f"({len(every)}): {short_samples(every, 32)}. Start the next run from the patched config "
+                "(nan_guard_patched_config.py: quarantine=[...] keeps them all out), or fix or drop these samples, "
+                "or raise quarantine_fraction.")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"skip": None if self.skip is None else self.skip.state_dict(),
-                "sightings": {str(k): list(v) for k, v in self.sightings.items()}}
+                "sightings": {k: list(v) for k, v in self.sightings.items()},
+                "refused": {k: dict(v) for k, v in self.refused.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("skip"):
             # The bound is this run's, set once the loader (and its dataset's size) is known: skip_list.
             self.skip = SkipList(0, max_fraction=self.config.quarantine_fraction)
             self.skip.load_state_dict(state["skip"])
-        self.sightings = {int(k): [int(e) for e in v] for k, v in dict(state.get("sightings", {})).items()}
+        # Before samples were named by what they are, sightings were keyed by dataset index.
+        self.sightings = {}
+        for k, v in dict(state.get("sightings", {})).items():
+            if str(k).isdigit():  # before samples were named by what they are: dataset index -> epochs
+                self.sightings[f"index:{k}"] = [[int(e), int(k)] for e in v]
+            else:
+                self.sightings[str(k)] = [[int(e), int(i)] for e, i in v]
+        self.refused = {str(k): dict(v) for k, v in dict(state.get("refused", {})).items()}
 
     def summary(self, io: Any) -> Dict[str, Any]:
-        return {"quarantined": [] if self.skip is None else list(self.skip)}
+        quarantined = [] if self.skip is None else list(self.skip)
+        refused = sorted({int(i) for v in self.refused.values() for i in v.get("served_as", [v.get("index")])
+                          if i is not None})
+        return {"quarantined": quarantined, "refused": refused,
+                "bad_samples": sorted(set(quarantined) | set(refused))}

@@ -1,0 +1,150 @@
+"""Data faults never end a run (issue 27), over every runner family installed here.
+
+The triggers are data: samples with NaN pixels (a corrupt image as it decodes), one after another (a burst), more of
+them than the quarantine's bound, and one corrupt sample that a dataset wrapper serves under many indices (CBGS,
+repeat). Each run counts what its dataset serves, per index: no good sample is ever quarantined, and a quarantined
+one is never served again under any index.
+"""
+import pytest
+from families import FAMILIES, GUARD
+
+from petr_stability import read_incidents
+from petr_stability.core.errors import BadDataError
+from petr_stability.core.wrappers import sample_of
+from petr_stability.testing.wrappers import CBGSLike, Counted, RepeatLike
+
+NAMES = [name for name, _ in FAMILIES]
+BUILD = dict(FAMILIES)
+#: Hyperparameters a data fault must leave alone.
+TUNED = ("max_norm", "dropout", ".lr", "initial_lr", "base_values", "exp_avg")
+
+
+def build(family, work_dir, iters, guard=None, wrap=None):
+    run = BUILD[family](str(work_dir), iters, dict(GUARD, **(guard or {})), [], "norm")
+    leaf = run.wrap_dataset(Counted)
+    outer = run.wrap_dataset(lambda d: wrap(d)) if wrap is not None else leaf
+    return run, leaf, outer
+
+
+def per_epoch(run, outer) -> int:
+    return len(outer) // run.batch_size
+
+
+def records(tmp_path):
+    return [r for r in read_incidents(str(tmp_path)) if r["event"] == "divergence"]
+
+
+def assert_data_only(tmp_path):
+    """Every divergence was classed data and changed no hyperparameter."""
+    for r in records(tmp_path):
+        assert r["cause"]["cause"] == "data", r["cause"]
+        targets = [a["target"] for a in r["actions"]]
+        assert not [t for t in targets if any(k in t for k in TUNED)], targets
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_a_burst_of_bad_batches_is_data_batch_by_batch(family, tmp_path):
+    # One corrupt sample in each of three consecutive batches: each batch is data (the batch known to be good trains
+    # fine on the healthy weights), never "every batch breaks".
+    run, leaf, outer = build(family, tmp_path, iters=0, guard=dict(quarantine_fraction=0.25))
+    first = per_epoch(run, outer) // 2 - 1
+    bad = [(first + k) * run.batch_size + 1 for k in range(3)]
+    iters = 2 * per_epoch(run, outer) + 2
+    _set_iters(run, iters)
+    for i in bad:
+        run.corrupt(i)
+    run.train()
+    assert run.completed() == iters and run.params_finite()
+    assert sorted(run.guard.policy.skip) == bad  # every bad sample, no good one
+    # Served at most twice (a step skipped on it in two epochs decides too), never again once quarantined.
+    assert all(leaf.fetches[i] <= 2 for i in bad), {i: leaf.fetches[i] for i in bad}
+    assert_data_only(tmp_path)
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_a_refused_quarantine_skips_the_batch_and_says_so(family, tmp_path):
+    # Two corrupt samples, a bound of one: the second is refused, recorded as refused, its batch skipped; the run
+    # goes on (two passes: a step skipped on a sample in two epochs names it too; the refused one does not return).
+    run, leaf, outer = build(family, tmp_path, iters=0)
+    n = per_epoch(run, outer)
+    bad = [(n // 2 - 1) * run.batch_size + 1, (n - 1) * run.batch_size + 1]
+    _set_iters(run, 2 * n)
+    for i in bad:
+        run.corrupt(i)
+    run.train()
+    assert run.completed() == 2 * n and run.params_finite()
+    assert list(run.guard.policy.skip) == bad[:1]
+    refused = [(r, named) for r, named in _named(tmp_path, "refused")]
+    assert refused and all(s.get("index") == bad[1] for _, named in refused for s in named)
+    assert "refused" in _why(refused[-1][0]) and ("skipped" in _why(refused[-1][0]) or not refused[-1][0]["actions"])
+    assert_data_only(tmp_path)
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_refused_samples_that_break_again_stop_with_a_data_error_naming_every_bad_sample(family, tmp_path):
+    run, leaf, outer = build(family, tmp_path, iters=0)
+    n = per_epoch(run, outer)
+    bad = [(n // 2 - 1) * run.batch_size + 1, (n - 1) * run.batch_size + 1]
+    _set_iters(run, 3 * n)
+    for i in bad:
+        run.corrupt(i)
+    with pytest.raises(BadDataError) as err:
+        run.train()
+    message = str(err.value)
+    assert all(f"index={i}" in message for i in bad), message
+    assert "data" in message and "quarantine=" in message
+    assert sorted(err.value.samples_indices) == bad
+    assert list(run.guard.policy.skip) == bad[:1]  # the bound held; nothing good was taken
+
+
+@pytest.mark.parametrize("family", NAMES)
+@pytest.mark.parametrize("wrapper", ["cbgs", "repeat"])
+def test_one_bad_sample_inside_a_resampling_wrapper_is_quarantined_under_every_index(family, wrapper, tmp_path):
+    wrap = {"cbgs": lambda d: CBGSLike(d, copies=3), "repeat": lambda d: RepeatLike(d, 3)}[wrapper]
+    run, leaf, outer = build(family, tmp_path, iters=0, guard=dict(quarantine_fraction=0.1), wrap=wrap)
+    copies = {}
+    for i in range(len(outer)):
+        copies.setdefault(sample_of(outer, i).index, []).append(i)
+    n = per_epoch(run, outer)
+    # A sample first drawn near the middle of the first pass and drawn again later in it.
+    bad = next(s for s, where in sorted(copies.items(), key=lambda kv: kv[1][0])
+               if len(where) >= 3 and where[0] >= (n // 4) * run.batch_size)
+    _set_iters(run, n + 2)
+    run.corrupt(bad)
+    run.train()
+    assert run.completed() == n + 2 and run.params_finite()
+    skip = run.guard.policy.skip
+    assert sorted(skip) == copies[bad]  # every outer index of the sample, nothing else
+    # Served at most twice (once where it broke a step, once more where a skipped step named it again), never
+    # again under any of its other indices.
+    assert leaf.fetches[bad] <= 2 < len(copies[bad]), (leaf.fetches[bad], copies[bad])
+    ((rec, named),) = _named(tmp_path, "quarantined")
+    assert named[0]["inner_index"] == bad and named[0]["served_as"] == copies[bad]
+    assert_data_only(tmp_path)
+
+
+def _named(tmp_path, how):
+    """(record, samples) for each record that quarantined (``how='quarantined'``) or refused samples: a data
+    divergence's class signals, or a recurring sample's record."""
+    out = []
+    for r in read_incidents(str(tmp_path)):
+        signals = (r.get("cause") or {}).get("signals") or {}
+        if signals.get(how):
+            out.append((r, signals[how]))
+        elif r["event"] == "recurring_sample" and (r.get("quarantined") is True) == (how == "quarantined"):
+            out.append((r, r.get("batch") or []))
+    return out
+
+
+def _why(record):
+    return (record.get("cause") or {}).get("evidence") or record.get("reason") or ""
+
+
+def _set_iters(run, iters):
+    """The run's length, set after it was built (its loader's size is only known once wrapped)."""
+    run.iters = iters
+    runner = getattr(run, "runner", None)
+    if isinstance(getattr(runner, "_train_loop", None), dict):  # MMEngine: the loop is built by train()
+        runner._train_loop["max_iters"] = iters
+    elif runner is not None:  # MMCV 1.x IterBasedRunner
+        runner._max_iters = iters
