@@ -15,6 +15,10 @@ from petr_stability.testing.wrappers import CBGSLike, Counted, RepeatLike
 
 NAMES = [name for name, _ in FAMILIES]
 BUILD = dict(FAMILIES)
+#: Whether a corrupt sample is named the first time it breaks a step: the runners' PETR-shaped model has a BatchNorm,
+#: which NaN pixels poison (a divergence, replayed); the torch loop's has none, so NaN features only make the scaler
+#: skip steps, and a sample is named once steps were skipped on it twice (two epochs, or two indices).
+FIRST_SIGHT = {"torch_loop": False, "mmengine": True, "mmcv1": True}
 #: Hyperparameters a data fault must leave alone.
 TUNED = ("max_norm", "dropout", ".lr", "initial_lr", "base_values", "exp_avg")
 
@@ -64,15 +68,16 @@ def test_a_burst_of_bad_batches_is_data_batch_by_batch(family, tmp_path):
 @pytest.mark.parametrize("family", NAMES)
 def test_a_refused_quarantine_skips_the_batch_and_says_so(family, tmp_path):
     # Two corrupt samples, a bound of one: the second is refused, recorded as refused, its batch skipped; the run
-    # goes on (two passes: a step skipped on a sample in two epochs names it too; the refused one does not return).
+    # goes on, and ends before the refused sample comes back.
     run, leaf, outer = build(family, tmp_path, iters=0)
     n = per_epoch(run, outer)
     bad = [(n // 2 - 1) * run.batch_size + 1, (n - 1) * run.batch_size + 1]
-    _set_iters(run, 2 * n)
+    iters = n if FIRST_SIGHT[family] else 2 * n
+    _set_iters(run, iters)
     for i in bad:
         run.corrupt(i)
     run.train()
-    assert run.completed() == 2 * n and run.params_finite()
+    assert run.completed() == iters and run.params_finite()
     assert list(run.guard.policy.skip) == bad[:1]
     refused = [(r, named) for r, named in _named(tmp_path, "refused")]
     assert refused and all(s.get("index") == bad[1] for _, named in refused for s in named)

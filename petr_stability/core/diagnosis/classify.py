@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..causes import PRIORITY, Cause, Classification
 from .values import FP16_MAX
 
-__all__ = ["CauseHistory", "classify", "recurring", "merge", "batch_broke", "good_batch_trains", "from_inputs"]
+__all__ = ["CauseHistory", "classify", "recurring", "merge", "batch_broke", "data_by_evidence", "from_inputs"]
 
 
 class CauseHistory:
@@ -100,7 +100,8 @@ def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[C
                     f"on the {where} weights the first NaN/Inf {made}, and {module} re-run alone in fp32 on the same "
                     f"inputs is finite (max |x| {check.get('max_abs')}, within {FP16_MAX:g})", [module], signals)
     if first and first.get("where") == "input" and first.get("module") == "(model)":
-        return Cause.DATA, "the batch itself arrives holding NaN/Inf at the model's input", [], signals
+        return (Cause.DATA, "the batch itself arrives holding NaN/Inf at the model's input", [],
+                dict(signals, input_nonfinite=True))
     if healthy is not None:
         weights = healthy.get("weights") or "the last healthy weights"
         if healthy.get("reproduced"):
@@ -160,7 +161,7 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
     if report.get("error"):
         return Classification(Cause.UNKNOWN, f"the diagnosis failed: {report['error']}")
     cause, evidence, modules, signals = _evidence_cause(report, history)
-    early = iteration is not None and iteration <= history.first_iterations and not good_batch_trains(signals)
+    early = iteration is not None and iteration <= history.first_iterations and not data_by_evidence(signals)
     if early and (cause == Cause.DATA or (cause == Cause.UNKNOWN and report.get("reproduced"))):
         # The run's first batches already break the weights it started from: nothing ever trained healthily.
         return Classification(Cause.STRUCTURAL,
@@ -184,7 +185,7 @@ def recurring(c: Classification, history: CauseHistory, iteration: Optional[int]
     # two bad batches in a row are a burst of bad data as much as a bug. And never against the counterfactual: where
     # the batch known to be good trains fine on the healthy weights, this batch is bad data, however soon it came.
     if (c.cause != Cause.DATA or last is None or last["cause"] != Cause.DATA.value or iteration is None
-            or not last.get("quarantined", True) or good_batch_trains(c.signals)):
+            or not last.get("quarantined", True) or data_by_evidence(c.signals)):
         return c
     clean = history.clean_since_last(iteration)
     if clean is None or clean >= history.recurrence_window:
@@ -195,12 +196,13 @@ def recurring(c: Classification, history: CauseHistory, iteration: Optional[int]
                           dict(c.ranks))
 
 
-def good_batch_trains(signals: Mapping[str, Any]) -> bool:
+def data_by_evidence(signals: Mapping[str, Any]) -> bool:
     """The evidence says the data is to blame: the batch known to be good, replayed on the same healthy state as the
-    failing one, trains fine there (the counterfactual), or the samples blamed hold non-finite values of their own.
-    No timing rule overrides it."""
+    failing one, trains fine there (the counterfactual), or the batch (or the samples blamed) holds non-finite values
+    of its own at the model's input. No timing rule overrides it."""
     good = signals.get("good_batch")
-    return (isinstance(good, Mapping) and good.get("reproduced") is False) or bool(signals.get("flagged_inputs"))
+    return ((isinstance(good, Mapping) and good.get("reproduced") is False) or bool(signals.get("flagged_inputs"))
+            or bool(signals.get("input_nonfinite")))
 
 
 def from_inputs(flagged: Sequence[Mapping[str, Any]], iteration: Optional[int] = None) -> Optional[Classification]:

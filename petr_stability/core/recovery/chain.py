@@ -233,7 +233,10 @@ class IncidentChain:
         # not what broke, so the run goes on from it, nothing lost.
         if "rollback" not in self.config.remedies or self._keeps_state(inc):
             return Step.RECORD
-        payload = self.points.next(inc.iteration, self.tried)
+        # Bad data leaves the restore point it rolls back to as healthy as it was: the next data incident may use it
+        # again (a burst of bad batches rolls back to the same point, batch by batch). Other causes spend it.
+        spent = set(self.tried) if inc.cls.cause == Cause.DATA else self.tried
+        payload = self.points.next(inc.iteration, spent)
         if payload is None:
             tried = ", ".join(sorted(self.tried)) or "none existed"
             inc.stop = (NoHealthyStateError, f"no healthy state of this run is left to roll back to (tried: {tried}; "
