@@ -1,0 +1,226 @@
+"""State poisoned by a sample, traced to the sample: the window since a healthy snapshot replayed from it.
+
+A sample with huge but finite values can make BatchNorm's ``running_var`` (or a StreamPETR-style memory kept as a
+plain attribute) non-finite while every weight stays finite: the train-mode forward uses the batch's own statistics,
+so nothing breaks until a health check reads the buffer, iterations later and on another batch, whose replay is
+finite. :func:`trace_window` loads the healthy snapshot's model state, re-runs the forwards of the batches served
+since then in train mode (no backward, no optimizer step: the weights stay the snapshot's, which is enough, as what
+is looked for is a sample poisoning the state, not a trajectory), and stops at the first batch after which a buffer
+or a plain-attribute tensor is non-finite. That batch's samples are then re-run one at a time from the state just
+before it, each beside samples shown clean there (the last batch replayed clean, else the next one: a sample of huge
+constant values alone has no variance to overflow, beside ordinary ones it does), else alone: a row is blamed only
+when it poisons that state so, and the rows left must not (else the narrowing is ``ambiguous`` and the whole batch
+is returned with that flag; where the next batch poisons the same state too, ``every_batch``, nobody is blamed).
+The model, its modes, gradients, buffers, plain attributes and the RNG are put back exactly afterwards
+(:class:`~.model_state.ModelState`).
+
+:func:`trace_incident` is the guard's call: it works out the window (the indices :class:`~..batches.BatchWatch`
+recorded per iteration) and how to rebuild a batch from indices (the training loader's own ``collate_fn`` over its
+dataset), and calls :func:`trace_window` only where the weights are finite and buffers or attributes are not.
+"""
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..watch.health import nonfinite_attributes
+from .model_state import ModelState
+from .recorder import nonfinite_params
+from .rng import capture_rng, rank_local, restore_rng
+from .values import unwrap
+
+__all__ = ["poisoned_state", "trace_window", "trace_incident"]
+
+#: How many iterations back a window may reach (the newest confirmed snapshot is normally a few hundred back).
+MAX_WINDOW = 2048
+
+Window = Sequence[Tuple[int, Optional[Sequence[int]]]]
+
+
+def poisoned_state(model: nn.Module) -> List[str]:
+    """Names of the floating buffers and plain-attribute tensors of ``model`` holding NaN/Inf (empty: clean)."""
+    bad = [name for name, b in model.named_buffers()
+           if b.is_floating_point() and b.numel() and not bool(torch.isfinite(b).all())]
+    return bad + nonfinite_attributes(model)
+
+
+class _Replayer:
+    """Runs one batch's forward (train mode, no grad, rank-local) and reads whether it poisoned the state."""
+
+    def __init__(self, model: nn.Module, rebuild: Callable[[Sequence[int]], Any],
+                 forward_for: Callable[[Any], Optional[Callable[[], Any]]]) -> None:
+        self.model, self.rebuild, self.forward_for = model, rebuild, forward_for
+        self.forwards = 0
+
+    def poisons(self, indices: Sequence[int]) -> List[str]:
+        forward = self.forward_for(self.rebuild(list(indices)))
+        if forward is None:
+            raise RuntimeError("the adapter cannot re-run a batch")
+        self.model.train()
+        self.forwards += 1
+        with torch.no_grad(), rank_local():
+            forward()
+        return poisoned_state(self.model)
+
+
+def _try(rep: _Replayer, indices: Sequence[int]) -> Tuple[Optional[bool], List[str]]:
+    """Whether ``indices`` poison the state (None where they cannot be re-run, with the error)."""
+    try:
+        bad = rep.poisons(indices)
+    except Exception as exc:  # a batch of one may be refused (BatchNorm wants >1 value per channel): unknown
+        return None, [f"{type(exc).__name__}: {exc}"]
+    return bool(bad), bad[:4]
+
+
+def _reference(rep: _Replayer, before: ModelState, candidates: Sequence[Optional[Sequence[int]]]
+               ) -> Tuple[Optional[List[int]], List[Optional[bool]]]:
+    """Samples shown not to poison the state just before the culprit (the first candidate that stays clean from
+    there), and what each candidate tried did."""
+    tried: List[Optional[bool]] = []
+    for candidate in candidates:
+        if candidate:
+            before.restore()
+            poisons, _ = _try(rep, candidate)
+            tried.append(poisons)
+            if poisons is False:
+                return list(candidate), tried
+    return None, tried
+
+
+def _narrow(rep: _Replayer, before: ModelState, indices: Sequence[int], clean: Optional[Sequence[int]],
+            control: Optional[Sequence[int]]) -> Dict[str, Any]:
+    """The rows of the culprit batch that poison the state from just before it, each re-run with samples shown
+    clean there (a huge sample alone may have no variance to overflow: with ordinary ones it does), else alone."""
+    reference, tried = _reference(rep, before, (clean, control))
+    if reference is None and not clean and tried and tried[-1]:
+        # No batch before it was clean, and the next one poisons the same state too: every batch does.
+        return {"rows": [], "ambiguous": True, "every_batch": True, "row_evidence": [], "reference": None,
+                "why": "the next batch poisons the state just before it too: every batch does, not one sample"}
+    evidence: List[Dict[str, Any]] = []
+    for row, index in enumerate(indices):
+        before.restore()
+        poisons, bad = _try(rep, [index] + (reference or []))
+        evidence.append({"row": row, "index": int(index), "poisons": poisons,
+                         **({"error": bad[0]} if poisons is None else {"poisoned": bad})})
+    rows = [e["row"] for e in evidence if e["poisons"]]
+    rest = [int(i) for r, i in enumerate(indices) if r not in rows]
+    why = ""
+    if not rows:
+        why = "no sample of the batch poisons the state alone" + (" with samples shown clean" if reference else "")
+    elif rest:
+        before.restore()
+        if _try(rep, rest)[0] is not False:
+            why = "the samples left without those still poison the state (or cannot be re-run)"
+    ambiguous = bool(why)
+    return {"rows": list(range(len(indices))) if ambiguous else rows, "ambiguous": ambiguous, "every_batch": False,
+            "row_evidence": evidence, "reference": reference, "why": why}
+
+
+def _scan(rep: _Replayer, window: Window, report: Dict[str, Any]) -> Optional[Tuple[int, ModelState, List[str]]]:
+    """Replays the window in order; the position of the first batch after which the state is poisoned, the state
+    just before it and what it poisoned (None: no batch of the window did)."""
+    for position, (_, indices) in enumerate(window):
+        if not indices:
+            report["unknown_batches"] += 1
+            continue
+        before = ModelState(rep.model)
+        bad = rep.poisons(indices)
+        report["replayed"].append([int(i) for i in indices])
+        if bad:
+            return position, before, bad
+    return None
+
+
+def trace_window(model: nn.Module, state: Mapping[str, torch.Tensor], window: Window,
+                 rebuild: Callable[[Sequence[int]], Any], forward_for: Callable[[Any], Optional[Callable[[], Any]]],
+                 reset: Optional[Callable[[nn.Module], Any]] = None) -> Dict[str, Any]:
+    """Finds the batch (and within it the samples) that poisoned buffers or plain-attribute state.
+
+    Args:
+        model: the unwrapped model.
+        state: the healthy snapshot's model state dict (buffers included).
+        window: ``(iteration, dataset indices)`` of every batch trained since that snapshot, in order (indices None
+            where unknown: skipped and counted).
+        rebuild: the batch for a list of dataset indices, as the loader would collate it.
+        forward_for: a zero-argument callable re-running a batch's training forward (the adapters'
+            ``rerun_forward``), or None where it cannot.
+        reset: called on the model after the state is loaded (temporal state started afresh: a snapshot holds no
+            plain attributes, and a rollback resets them). Defaults to None.
+
+    Returns:
+        A JSON-ready report: ``found``, ``iteration`` / ``position`` (in ``window``) / ``indices`` of the culprit
+        batch, ``rows`` blamed and their ``blamed`` indices, ``ambiguous`` (then ``rows`` is the whole batch) with
+        ``why``, ``every_batch`` (the next batch poisons too: not one sample), ``poisoned`` (what went non-finite),
+        ``row_evidence``, ``replayed`` (the batches re-run), ``unknown_batches``, ``forwards``, ``seconds``.
+        ``error`` where the replay failed. The model and the RNG are as before, also on error.
+    """
+    t0 = time.perf_counter()
+    model = unwrap(model)
+    report: Dict[str, Any] = {"found": False, "window": [int(window[0][0]), int(window[-1][0])] if window else [],
+                              "replayed": [], "unknown_batches": 0}
+    saved, rng = ModelState(model, params=True), capture_rng()
+    rep = _Replayer(model, rebuild, forward_for)
+    try:
+        model.load_state_dict(dict(state), strict=False)
+        if reset is not None:
+            reset(model)
+        start = poisoned_state(model) + nonfinite_params(model)
+        if start:
+            report["why"] = f"the snapshot's own state is not finite ({', '.join(start[:3])})"
+        else:
+            hit = _scan(rep, window, report)
+            if hit is None:
+                report["why"] = "no batch of the window poisons the snapshot's state"
+            else:
+                position, before, bad = hit
+                iteration, indices = window[position]
+                control = next((list(i) for _, i in window[position + 1:] if i), None)
+                clean = report["replayed"][-2] if len(report["replayed"]) > 1 else None
+                narrowed = _narrow(rep, before, list(indices), clean, control)
+                report.update(narrowed, found=not narrowed["every_batch"], iteration=int(iteration),
+                              position=position, indices=[int(i) for i in indices], poisoned=bad[:8],
+                              blamed=[int(indices[r]) for r in narrowed["rows"]])
+    except Exception as exc:  # evidence only: a failed trace blames nobody
+        report.update(found=False, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        saved.restore()
+        restore_rng(rng)
+    report["forwards"] = rep.forwards
+    report["seconds"] = round(time.perf_counter() - t0, 4)
+    return report
+
+
+def trace_incident(model: nn.Module, loader: Any, state: Optional[Mapping[str, torch.Tensor]], since: int,
+                   served: Window, forward_for: Callable[[Any], Optional[Callable[[], Any]]],
+                   reset: Optional[Callable[[nn.Module], Any]] = None) -> Optional[Dict[str, Any]]:
+    """The guard's call: :func:`trace_window` over the batches served after iteration ``since`` (the healthy
+    snapshot's), where the live weights are finite and buffers or plain attributes are not; None where it does not
+    apply (nothing poisoned, poisoned weights, no snapshot state, no loader to rebuild batches from).
+
+    Args:
+        model: the unwrapped model.
+        loader: the training loader (its ``dataset`` and ``collate_fn`` rebuild a batch from indices).
+        state: the healthy snapshot's model state dict, or None.
+        since: the snapshot's iteration (1-based numbering: the state after that many iterations).
+        served: ``(iteration, indices)`` per iteration trained, the one in hand included.
+        forward_for: as for :func:`trace_window`.
+        reset: as for :func:`trace_window`. Defaults to None.
+    """
+    model = unwrap(model)
+    if state is None or getattr(loader, "dataset", None) is None or nonfinite_params(model):
+        return None
+    bad = poisoned_state(model)
+    if not bad:
+        return None
+    window = [(int(it), idx) for it, idx in served if since < it][-MAX_WINDOW:]
+    collate = getattr(loader, "collate_fn", None) or (lambda samples: samples)
+    dataset = loader.dataset
+
+    def rebuild(indices: Sequence[int]) -> Any:
+        return collate([dataset[i] for i in indices])
+
+    report = trace_window(model, state, window, rebuild, forward_for, reset)
+    report["live_poisoned"] = bad[:8]
+    report["since"] = int(since)
+    return report
