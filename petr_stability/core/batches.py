@@ -5,7 +5,8 @@ Healthy steps pay host work only: a list lookup for the batch's indices (:class:
 reference to the batch and its RNG state, kept one iteration longer as *the last good batch*, the counterfactual
 of a diagnosis (a batch known to be good, replayed on the same healthy weights, tells a bug from bad data).
 """
-from typing import Any, Callable, Dict, List, Optional
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import distributed
 from .diagnosis import diagnose
@@ -37,6 +38,9 @@ class BatchWatch:
         #: Iterations this process trained before any step was healthy (all of them broke: skipped or overflowed).
         self.untrained = 0
         self.attached = False
+        #: (iteration, dataset indices or None) of the iterations trained on the current path, newest last: the window
+        #: a state poisoned since a snapshot is traced through (:mod:`.diagnosis.window`).
+        self.served: Deque[Tuple[int, Optional[List[int]]]] = deque(maxlen=4096)
 
     def attach(self, skip: Any, log: Callable[..., None]) -> None:
         """Tracks the training loader's indices (and applies ``skip`` to them) once the loader exists."""
@@ -60,11 +64,19 @@ class BatchWatch:
 
     def end(self, iteration: int, healthy: bool) -> None:
         """As the iteration's verdict is known: a healthy step's batch becomes the last good batch."""
+        while self.served and self.served[-1][0] >= iteration:  # after a rollback: the abandoned path's
+            self.served.pop()
+        self.served.append((iteration, self.indices))
         if healthy and self.batch is not None:
             self.good_batch, self.good_rng, self.good_iteration = self.batch, self.rng, iteration
         elif self.good_batch is None:
             self.untrained += 1
         self.batch = self.rng = self.indices = None
+
+    def served_through(self, iteration: int) -> List[Tuple[int, Optional[List[int]]]]:
+        """The iterations trained on the current path up to ``iteration``, the running one (the batch in hand)
+        included."""
+        return [(i, idx) for i, idx in self.served if i < iteration] + [(iteration, self.indices)]
 
     def epoch_of(self, iteration: int) -> int:
         """The pass over the data an iteration belongs to: every ``len(dataset)`` samples (all ranks) is one, so

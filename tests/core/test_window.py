@@ -194,3 +194,25 @@ def test_trace_incident_applies_only_to_poisoned_buffers_with_finite_weights():
     with torch.no_grad():
         model.proj.weight[0, 0] = math.nan
     assert trace_incident(model, Loader(), state, 11, window, forward_for) is None  # poisoned weights: not this
+
+
+def test_a_found_window_is_classed_data_naming_the_batch_and_the_buffer():
+    from petr_stability.core.causes import Cause
+    from petr_stability.core.diagnosis import classify
+    from petr_stability.core.diagnosis.window import window_samples
+
+    model, state, window, rebuild, forward_for, _ = setup(bad=[13])
+    model.norm.running_var.fill_(math.inf)
+
+    class Loader:
+        dataset = dataset(24, [13])
+        collate_fn = staticmethod(torch.stack)
+
+    trace = trace_incident(model, Loader(), state, 11, window, forward_for)
+    report = {"reproduced": False, "first": None, "window": trace}
+    c = classify(report)
+    assert c.cause == Cause.DATA and c.signals["window"]["blamed"] == [13]
+    assert "norm.running_var" in c.evidence and "the batch of iter 13" in c.evidence and "[13]" in c.evidence
+    assert window_samples(report) == [{"index": 13}]
+    assert classify({"reproduced": False, "first": None, "window": dict(trace, found=False)}).cause == Cause.UNKNOWN
+    assert window_samples({"window": dict(trace, found=False)}) == []

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..causes import PRIORITY, Cause, Classification
 from .values import FP16_MAX
+from .window import window_evidence
 
 __all__ = ["CauseHistory", "classify", "recurring", "merge", "batch_broke", "data_by_evidence", "from_inputs"]
 
@@ -102,6 +103,12 @@ def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[C
     if first and first.get("where") == "input" and first.get("module") == "(model)":
         return (Cause.DATA, "the batch itself arrives holding NaN/Inf at the model's input", [],
                 dict(signals, input_nonfinite=True))
+    window = report.get("window") or {}
+    if window.get("found"):
+        # Buffers or plain-attribute state poisoned with finite weights, traced to a batch of the window since the
+        # healthy snapshot (diagnosis/window.py): the batch at hand is only where a check noticed it.
+        signals["window"] = {k: window.get(k) for k in ("iteration", "indices", "blamed", "ambiguous", "poisoned")}
+        return Cause.DATA, window_evidence(window), [], signals
     if healthy is not None:
         weights = healthy.get("weights") or "the last healthy weights"
         if healthy.get("reproduced"):
@@ -199,10 +206,11 @@ def recurring(c: Classification, history: CauseHistory, iteration: Optional[int]
 def data_by_evidence(signals: Mapping[str, Any]) -> bool:
     """The evidence says the data is to blame: the batch known to be good, replayed on the same healthy state as the
     failing one, trains fine there (the counterfactual), or the batch (or the samples blamed) holds non-finite values
-    of its own at the model's input. No timing rule overrides it."""
+    of its own at the model's input, or the window's replay traced poisoned state to it. No timing rule overrides
+    it."""
     good = signals.get("good_batch")
     return ((isinstance(good, Mapping) and good.get("reproduced") is False) or bool(signals.get("flagged_inputs"))
-            or bool(signals.get("input_nonfinite")))
+            or bool(signals.get("input_nonfinite")) or bool(signals.get("window")))
 
 
 def from_inputs(flagged: Sequence[Mapping[str, Any]], iteration: Optional[int] = None) -> Optional[Classification]:

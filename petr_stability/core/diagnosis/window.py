@@ -24,13 +24,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..samples import named_samples
 from ..watch.health import nonfinite_attributes
 from .model_state import ModelState
 from .recorder import nonfinite_params
 from .rng import capture_rng, rank_local, restore_rng
 from .values import unwrap
 
-__all__ = ["poisoned_state", "trace_window", "trace_incident"]
+__all__ = ["poisoned_state", "trace_window", "trace_incident", "window_samples", "window_evidence"]
 
 #: How many iterations back a window may reach (the newest confirmed snapshot is normally a few hundred back).
 MAX_WINDOW = 2048
@@ -224,3 +225,23 @@ def trace_incident(model: nn.Module, loader: Any, state: Optional[Mapping[str, t
     report["live_poisoned"] = bad[:8]
     report["since"] = int(since)
     return report
+
+
+def window_samples(report: Optional[Mapping[str, Any]], dataset: Any = None) -> List[Dict[str, Any]]:
+    """The samples a diagnosis report's window trace blames (dataset ``index`` and the ids the dataset's infos give),
+    or [] where it found none."""
+    window = (report or {}).get("window") or {}
+    if not window.get("found"):
+        return []
+    return named_samples([int(i) for i in window.get("blamed") or []], None, dataset)
+
+
+def window_evidence(window: Mapping[str, Any]) -> str:
+    """The evidence sentence for a found window trace: the buffer, the batch, the samples."""
+    live = ", ".join((window.get("live_poisoned") or [])[:3])
+    what = ", ".join((window.get("poisoned") or [])[:3])
+    rows = ("the whole batch (not narrowed: " + str(window.get("why")) + ")" if window.get("ambiguous")
+            else f"sample(s) {window.get('blamed')} (each poisons it beside samples shown clean, the others do not)")
+    return (f"the weights are finite but the state is not ({live}); replayed from the state of iter "
+            f"{window.get('since')}, the batch of iter {window.get('iteration')} (dataset indices "
+            f"{window.get('indices')}) is the first to make {what} non-finite: {rows}")

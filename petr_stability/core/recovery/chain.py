@@ -22,6 +22,7 @@ from ..batches import BatchWatch
 from ..causes import Cause, Classification, row
 from ..config import GuardConfig
 from ..diagnosis import batch_broke, classify, diagnose_step, from_inputs, merge, recurring, summarize
+from ..diagnosis.window import trace_incident, window_samples
 from ..errors import BadDataError, NanGuardGaveUp, NoHealthyStateError, StructuralDivergence
 from ..port import GuardIO, Payload
 from ..records import Event, step_record
@@ -170,6 +171,13 @@ class IncidentChain:
             # No batch known to be good: every batch since the start state broke, this one included, and no
             # calibration of a dynamic scale explains it (the scale fell past its floor with no step applied).
             report["untrained_batches"] = good.untrained + 1
+        # State poisoned with finite weights (BatchNorm statistics, a memory) by a batch other than the one in hand
+        # (that one does not break): the batch of the window since the healthy snapshot that did it.
+        window = None if batch_broke(report) else trace_incident(
+            self.io.model(), self.io.train_loader(), weights, getattr(snap, "iteration", 0),
+            good.served_through(inc.iteration), self.io.rerun_forward, lambda _: self.policy.reset_temporal(self.io))
+        if window is not None:
+            report["window"] = window
         return report
 
     def _classify(self, inc: Incident) -> Step:
@@ -189,8 +197,9 @@ class IncidentChain:
         # the gradient all-reduce), and within it the samples whose own values are bad, where only some are.
         fp16 = inc.signals.scale_mode != "none"
         mine = {"cls": None if inc.local is None else inc.local.as_dict(),
-                "ids": (self.batches.suspects(fp16) if batch_broke(inc.diagnosis) else self.batches.flagged(fp16)
-                        if inc.local is not None and inc.local.signals.get("flagged_inputs") else []),
+                "ids": window_samples(inc.diagnosis, self.io.dataset())
+                or (self.batches.suspects(fp16) if batch_broke(inc.diagnosis) else self.batches.flagged(fp16)
+                    if inc.local is not None and inc.local.signals.get("flagged_inputs") else []),
                 "checked": inc.signals.weights_finite}
         views = distributed.gather(mine)
         agreed = merge([None if v["cls"] is None else Classification.from_dict(v["cls"]) for v in views])
