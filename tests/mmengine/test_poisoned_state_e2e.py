@@ -6,49 +6,16 @@ finds the buffer iterations later, on another batch. The guard must trace the bu
 that did it (the window since the healthy snapshot replayed from it), class it data, quarantine that sample alone and
 change no hyperparameter; the sample is served every epoch until then.
 """
-import os
-import sys
-from typing import Dict
-
 import torch
 from harness import guard_hook, params_finite
 from test_attribution import build, decisions
 
 from petr_stability import read_incidents
-from petr_stability.testing.causes_models import IdentifiedDataset
+from petr_stability.testing.poison import HugeSample
 
 N = 32  # 16 iterations an epoch at batch size 2, no shuffle
 BAD = 25  # served in the 13th iteration of every epoch; the routine check (every 4) finds the buffer at the 16th
 EPOCHS = 5
-
-
-def _from_trace() -> bool:
-    """Whether the guard's window trace (not the loader) is fetching."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(os.path.join("diagnosis", "window.py")):
-            return True
-        frame = frame.f_back
-    return False
-
-
-class HugeSample(IdentifiedDataset):
-    """:class:`IdentifiedDataset` whose sample ``bad`` holds huge, finite features (a raw sensor dump, a unit bug);
-    counts the loader's fetches per index apart from the guard's replays."""
-
-    def __init__(self, n: int, bad: int, value: float = 1e20) -> None:
-        super().__init__(n, num_query=16)
-        self.huge, self.value = bad, value
-        self.fetches: Dict[int, int] = {}
-        self.traced: Dict[int, int] = {}
-
-    def __getitem__(self, i: int) -> dict:
-        counts = self.traced if _from_trace() else self.fetches
-        counts[int(i)] = counts.get(int(i), 0) + 1
-        sample = super().__getitem__(i)
-        if int(i) == self.huge:
-            sample = dict(sample, inputs=sample["inputs"].clone().fill_(self.value))
-        return sample
 
 
 def test_a_sample_poisoning_batchnorm_statistics_is_traced_quarantined_and_nothing_else_changes(tmp_path):
