@@ -59,7 +59,8 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              True, "the module named runs in fp32; the patched config carries the switch"),
     CauseRow(Cause.DATA, "data",
              "the batch arrives non-finite at the model's input, or breaks the healthy weights too while a batch "
-             "known to be good does not",
+             "known to be good does not, or (weights finite, buffers or temporal state not) a batch since the healthy "
+             "snapshot, replayed from it, is the first to make them non-finite",
              "quarantine the batch's samples (by dataset index) for the rest of the run; roll back unless the state "
              "was checked finite on every rank (then the batch is only skipped); no hyperparameter changes",
              True, "the quarantined samples are listed in the incident log (dataset index, "

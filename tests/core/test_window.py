@@ -214,5 +214,8 @@ def test_a_found_window_is_classed_data_naming_the_batch_and_the_buffer():
     assert c.cause == Cause.DATA and c.signals["window"]["blamed"] == [13]
     assert "norm.running_var" in c.evidence and "the batch of iter 13" in c.evidence and "[13]" in c.evidence
     assert window_samples(report) == [{"index": 13}]
+    from petr_stability.core.diagnosis import summarize
+
+    assert "the batch of iter 13 is the first to poison norm.running_var: dataset indices [13]" in summarize(report)
     assert classify({"reproduced": False, "first": None, "window": dict(trace, found=False)}).cause == Cause.UNKNOWN
     assert window_samples({"window": dict(trace, found=False)}) == []

@@ -269,4 +269,11 @@ def summarize(report: Mapping[str, Any]) -> str:
     if good:
         line += f"; {good['batch']}, known to be good, " + ("breaks there too" if good["reproduced"] else
                                                            "stays finite there")
+    window = report.get("window")
+    if window:
+        line += (f"; replayed from iter {window.get('since')}, the batch of iter {window.get('iteration')} is the "
+                 f"first to poison {', '.join((window.get('poisoned') or [])[:2])}: dataset indices "
+                 f"{window.get('blamed')}{' (not narrowed)' if window.get('ambiguous') else ''}" if window.get("found")
+                 else f"; the window since iter {window.get('since')} names no batch "
+                      f"({window.get('why') or window.get('error')})") + f" [{window.get('seconds', 0):.2f}s]"
     return line + f" [{report.get('seconds', 0):.2f}s]"
