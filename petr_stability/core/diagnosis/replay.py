@@ -118,7 +118,7 @@ def _conclude(model: nn.Module, rec: Recorder, first: Optional[Check], report: D
 
 def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[Mapping[str, Any]] = None,
              loss_scale: float = 1.0, weights: Optional[Mapping[str, torch.Tensor]] = None, backward: bool = True,
-             top: int = 8, fp32_check: bool = True) -> Dict[str, Any]:
+             top: int = 8, fp32_check: bool = True, setup: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
     """Re-runs one forward (and backward) with hooks on every module and reports where NaN/Inf first appeared.
 
     Args:
@@ -135,6 +135,9 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
         fp32_check: when the first non-finite value is a module's half-precision forward output (its inputs and
             parameters finite), re-run that module alone in fp32 on its recorded inputs (``fp32_check`` in the
             report, see :func:`~.fp32_check.fp32_check`). Defaults to True.
+        setup: called once the weights are in place, before the re-run: puts the rest of the model's state (its
+            temporal memory outside ``state_dict()``) where ``weights`` had it; undone with everything else after.
+            Defaults to None.
 
     Returns:
         A JSON-ready report: ``first`` (module, type, where, detail, phase, value, why) or None when the re-run
@@ -156,6 +159,8 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
             report["live_nonfinite_parameters"] = nonfinite_params(model)[:top]
             missing, _ = model.load_state_dict(dict(weights), strict=False)
             report["weights_missing"] = len(missing)
+        if setup is not None:
+            report["state_setup"] = setup()
         report["nonfinite_parameters"] = nonfinite_params(model)[:top]
         rec.install()
         if rng_state is not None:
@@ -182,7 +187,7 @@ def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optio
                   loss_scale: float = 1.0, healthy_weights: Optional[Mapping[str, torch.Tensor]] = None,
                   healthy_from: str = "", compare: str = "weights", fp32_check: bool = True,
                   good_forward: Optional[Callable[[], Any]] = None, good_rng: Optional[Mapping[str, Any]] = None,
-                  good_from: str = "") -> Dict[str, Any]:
+                  good_from: str = "", healthy_setup: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
     """:func:`diagnose` on the live weights, then, if those are already non-finite, once more on healthy ones.
 
     Live non-finite weights name the module that holds them, but not what put NaN there; a second re-run of the
@@ -207,6 +212,9 @@ def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optio
             breaks too, every batch does (a bug, or a forward overflow), not this batch's data. Defaults to None.
         good_rng: the good batch's RNG state. Defaults to None.
         good_from: where the good batch comes from, for the report. Defaults to "".
+        healthy_setup: run after the healthy weights are loaded, before each re-run on them: the model's temporal
+            state (a memory outside ``state_dict()``) as of those weights, so that a memory the live weights poisoned
+            never makes a good batch look bad (:func:`diagnose`'s ``setup``). Defaults to None.
 
     Returns:
         The :func:`diagnose` report, with ``on_healthy_weights`` when the second re-run happened and ``good_batch``
@@ -224,11 +232,11 @@ def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optio
         # Unscaled: a gradient that overflows only because of the loss scale is the scaler's to skip (a dynamic
         # scale calibrating overflows on every batch), not a sign that this batch breaks these weights.
         again = diagnose(model, forward, rng_state=rng_state, loss_scale=1.0, weights=healthy_weights,
-                         fp32_check=fp32_check)
+                         fp32_check=fp32_check, setup=healthy_setup)
         report["on_healthy_weights"] = {"weights": healthy_from, **_brief(again)}
         if again["reproduced"] and good_forward is not None:
             good = diagnose(model, good_forward, rng_state=good_rng, loss_scale=1.0, weights=healthy_weights,
-                            fp32_check=fp32_check)
+                            fp32_check=fp32_check, setup=healthy_setup)
             report["good_batch"] = {"batch": good_from, "weights": healthy_from, **_brief(good)}
     return report
 
@@ -236,7 +244,9 @@ def diagnose_step(model: nn.Module, forward: Callable[[], Any], rng_state: Optio
 def _brief(report: Mapping[str, Any]) -> Dict[str, Any]:
     """The part of a second re-run's report the first one carries."""
     keys = ("reproduced", "first", "forward_finite", "over_fp16", "backward")
-    return {**{k: report[k] for k in keys}, "fp32_check": report.get("fp32_check"), "seconds": report["seconds"]}
+    setup = {"state_setup": report["state_setup"]} if report.get("state_setup") else {}
+    return {**{k: report[k] for k in keys}, **setup, "fp32_check": report.get("fp32_check"),
+            "seconds": report["seconds"]}
 
 
 def summarize(report: Mapping[str, Any]) -> str:

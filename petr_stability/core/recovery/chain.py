@@ -165,7 +165,8 @@ class IncidentChain:
         report = diagnose_step(self.io.model(), forward, rng_state=inc.rng, loss_scale=scale or 1.0,
                                healthy_weights=weights, healthy_from=where if weights else "", compare="reproduced",
                                good_forward=good_forward, good_rng=good.good_rng,
-                               good_from=f"the batch of iter {good.good_iteration}" if good_forward else "")
+                               good_from=f"the batch of iter {good.good_iteration}" if good_forward else "",
+                               healthy_setup=self._healthy_temporal)
         floor = inc.signals.loss_scale is not None and inc.signals.loss_scale < self.config.min_loss_scale
         if good.good_batch is None and snap is self.points.start and (inc.signals.scale_mode != "dynamic" or floor):
             # No batch known to be good: every batch since the start state broke, this one included, and no
@@ -175,10 +176,15 @@ class IncidentChain:
         # (that one does not break): the batch of the window since the healthy snapshot that did it.
         window = None if batch_broke(report) else trace_incident(
             self.io.model(), self.io.train_loader(), weights, getattr(snap, "iteration", 0),
-            good.served_through(inc.iteration), self.io.rerun_forward, lambda _: self.policy.reset_temporal(self.io))
+            good.served_through(inc.iteration), self.io.rerun_forward, lambda _: self._healthy_temporal())
         if window is not None:
             report["window"] = window
         return report
+
+    def _healthy_temporal(self) -> List[str]:
+        """The temporal state of the healthy moment for a re-run on its weights: the memory the live weights wrote
+        (NaN once they broke) started afresh, as a rollback to that state does (the re-run puts it back after)."""
+        return self.policy.registry.get("temporal").after_rollback(self.policy.context(self.io))
 
     def _classify(self, inc: Incident) -> Step:
         history = self.policy.history
