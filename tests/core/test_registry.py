@@ -49,7 +49,7 @@ def test_the_state_keeps_the_checkpoint_layout_and_fills_the_patched_config():
     remedies = Remedies(GuardConfig())
     state = remedies.state_dict()
     assert set(state) == {"clip", "dropout_zeroed", "scale_made_dynamic", "policy"}
-    assert set(state["policy"]) == {"lr_factor", "skip", "sightings", "fp32"}
+    assert set(state["policy"]) == {"lr_factor", "skip", "sightings", "refused_samples", "fp32"}
     summary = remedies.summary(FakeIO())
     assert config_fix_fields(summary) == {"max_norm": None, "zero_dropout": False, "dynamic_loss_scale": False,
                                           "lr_factor": 1.0, "quarantine": [], "fp32_modules": {}}
@@ -125,7 +125,8 @@ def test_quarantine_takes_named_samples_and_recurring_ones():
     changes, samples, reason = quarantine.recurring(_ctx(io, iteration=9), [{"index": 7}], epoch=1)
     assert changes and samples == [{"index": 7}] and reason == "made steps go wrong in epochs [0, 1]"
     again = _round_trip(quarantine, config)
-    assert list(again.skip) == [4, 7] and again.summary(io) == {"quarantined": [4, 7]}
+    assert list(again.skip) == [4, 7]
+    assert again.summary(io) == {"quarantined": [4, 7], "refused": [], "bad_samples": [4, 7]}
 
 
 def test_fp32_remedy_runs_a_module_in_fp32_once_then_structural():

@@ -247,3 +247,29 @@ def test_a_no_rollback_data_incident_leaves_the_memory_as_the_failing_step_left_
     assert torch.equal(before.copies[6], after.copies[6])  # exactly what the failing step left
     assert [i["index"] for i in rec["cause"]["signals"]["quarantined"]] == [12]
 
+
+
+@pytest.mark.parametrize("amp", [None, dict(init_scale=8.0)], ids=["fp32", "fp16"])
+def test_a_memory_the_live_weights_poisoned_never_makes_the_good_batch_look_bad(tmp_path, amp):
+    # A StreamPETR-style head whose memory is a plain attribute, no nan_to_num on it: a NaN weight at iteration 30
+    # makes the memory NaN. The replays on the healthy weights run with the memory of that moment (started afresh,
+    # as a rollback to it does), not the live NaN one: the failing batch trains fine there, the class is dynamics,
+    # the run recovers. With the live memory both the failing and the good batch broke: "every batch breaks, a bug".
+    from petr_stability.adapters.mmengine_runner.faults import FaultInjectionHook
+
+    wd = str(tmp_path)
+    model = IdsModel(**SMALL)
+    model.net = build_memory_net(**SMALL)
+    head = "net.pts_bbox_head.query_embedding.weight"  # feeds the decoder, whose output the memory keeps
+    fault = FaultInjectionHook([dict(kind="weights", iters=[30], value="nan", param=head)])
+    runner = build(wd, Plain(N), amp=amp, max_iters=40, model=model, hooks=[fault])
+    runner.train()
+    assert runner.iter == 40 and params_finite(runner)
+    records = decisions(wd)
+    assert records and all(r["event"] == "divergence" for r in records)
+    first = records[0]
+    assert first["cause"]["cause"] != "structural", first["cause"]
+    healthy = first["diagnosis"]["on_healthy_weights"]
+    assert healthy["reproduced"] is False and healthy["state_setup"] == ["net.pts_bbox_head"]
+    memory = runner.model.net.pts_bbox_head.memory_embedding
+    assert memory is None or bool(torch.isfinite(memory).all())

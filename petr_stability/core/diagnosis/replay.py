@@ -159,8 +159,7 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
             report["live_nonfinite_parameters"] = nonfinite_params(model)[:top]
             missing, _ = model.load_state_dict(dict(weights), strict=False)
             report["weights_missing"] = len(missing)
-        if setup is not None:
-            report["state_setup"] = setup()
+            report["state_setup"] = setup() if setup is not None else None
         report["nonfinite_parameters"] = nonfinite_params(model)[:top]
         rec.install()
         if rng_state is not None:

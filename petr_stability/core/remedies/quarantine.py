@@ -246,6 +246,8 @@ class QuarantineSampler:
         healthy); None when none is."""
         if slot in last and not self._bad(last[slot]):
             return last[slot]
+        if slot >= 0 and slot not in last:
+            return None  # the slot's own first healthy index fills it (a frame of its own scene)
         for index in reversed(list(last.values())):
             if not self._bad(index):
                 return index
@@ -301,7 +303,7 @@ class Quarantine(Remedy):
     causes = (Cause.DATA,)
     when = When.BEFORE_RESTORE
     section = "policy"
-    state_keys = ("skip", "sightings", "refused")
+    state_keys = ("skip", "sightings", "refused_samples")
     fixes = (("quarantine", "bad_samples"),)
 
     def __init__(self, config: Any) -> None:
@@ -503,7 +505,7 @@ class Quarantine(Remedy):
     def state_dict(self) -> Dict[str, Any]:
         return {"skip": None if self.skip is None else self.skip.state_dict(),
                 "sightings": {k: list(v) for k, v in self.sightings.items()},
-                "refused": {k: dict(v) for k, v in self.refused.items()}}
+                "refused_samples": {k: dict(v) for k, v in self.refused.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("skip"):
@@ -517,7 +519,7 @@ class Quarantine(Remedy):
                 self.sightings[f"index:{k}"] = [[int(e), int(k)] for e in v]
             else:
                 self.sightings[str(k)] = [[int(e), int(i)] for e, i in v]
-        self.refused = {str(k): dict(v) for k, v in dict(state.get("refused", {})).items()}
+        self.refused = {str(k): dict(v) for k, v in dict(state.get("refused_samples", {})).items()}
 
     def summary(self, io: Any) -> Dict[str, Any]:
         quarantined = [] if self.skip is None else list(self.skip)
