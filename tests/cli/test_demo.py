@@ -129,11 +129,7 @@ def test_full_scenario_unguarded_run_is_lost(full_demo, scenario):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("scenario", [
-    "dynamics",
-    pytest.param("data_burst", marks=pytest.mark.xfail(
-        strict=False, reason="issue 27: the guarded data_burst run is lost by the classification rules")),
-])
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_full_scenario_guarded_run_is_ok(full_demo, scenario):
     r = full_demo[scenario]["guarded"]
     assert not r.lost and r.finished and r.state_finite and r.incidents >= 1, _why(r)
