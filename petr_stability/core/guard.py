@@ -202,6 +202,8 @@ class NanGuard:
                 self._emit(record)
             else:
                 self.incidents.write(record)
+            if skip.error is not None:
+                raise skip.error
 
     def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
         changes = self.policy.on_stall(self.io, signals.iteration)

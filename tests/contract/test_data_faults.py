@@ -100,6 +100,10 @@ def test_refused_samples_that_break_again_stop_with_a_data_error_naming_every_ba
     assert "data" in message and "quarantine=" in message
     assert sorted(err.value.samples_indices) == bad
     assert list(run.guard.policy.skip) == bad[:1]  # the bound held; nothing good was taken
+    stops = [r for r in read_incidents(str(tmp_path)) if r["event"] == "gave_up"]
+    assert len(stops) == 1 and all(f"index={i}" in stops[0]["why"] for i in bad)
+    if family == "torch_loop":  # the loop's config has the hook entry: the next run starts without every bad sample
+        assert f"quarantine={bad}" in (tmp_path / "nan_guard_patched_config.py").read_text()
 
 
 @pytest.mark.parametrize("family", NAMES)

@@ -78,7 +78,8 @@ class ListBatchModel(nn.Module):
 
 
 def build(work_dir: str, dataset: Any, model: Optional[nn.Module] = None, amp: Any = None, epochs: int = 3,
-          iters: Optional[int] = None, guard: Optional[dict] = None, bug_after: Optional[int] = None) -> Any:
+          iters: Optional[int] = None, guard: Optional[dict] = None, bug_after: Optional[int] = None,
+          hooks: Optional[List[dict]] = None) -> Any:
     torch.manual_seed(0)
     model = model if model is not None else IdsModel(**MODEL)
     if bug_after is not None:
@@ -94,7 +95,8 @@ def build(work_dir: str, dataset: Any, model: Optional[nn.Module] = None, amp: A
                         dict(type="CPUFp16OptimizerHook", loss_scale=amp, grad_clip=clip))
     r.register_training_hooks(dict(policy="fixed"), optimizer_config, dict(interval=10 ** 6, by_epoch=iters is None),
                               dict(interval=5, hooks=[dict(type="TextLoggerHook")]),
-                              custom_hooks_config=[dict(type="NanGuardHook", **dict(GUARD, **(guard or {})))])
+                              custom_hooks_config=list(hooks or [])
+                              + [dict(type="NanGuardHook", **dict(GUARD, **(guard or {})))])
     r.loader = DataLoader(dataset, batch_size=2, shuffle=False)
     return r
 
@@ -188,3 +190,50 @@ def test_a_failed_diagnosis_records_its_error_and_where(tmp_path, monkeypatch):
     diagnosis = decisions(wd)[-1]["diagnosis"]
     assert diagnosis["error"] == "RuntimeError: the replay cannot run here"
     assert diagnosis["traceback"] and diagnosis["traceback"][-1].endswith("in forward")
+
+
+def _tuned(records: List[dict]) -> List[str]:
+    """Targets of hyperparameter changes (max_norm, dropouts, the learning rate, optimizer moments) in records."""
+    keys = ("max_norm", "dropout", ".lr", "exp_avg")
+    return [a["target"] for r in records for a in r["actions"] if any(k in a["target"] for k in keys)]
+
+
+@pytest.mark.parametrize("amp", [None, dict(init_scale=8.0)], ids=["fp32", "fp16"])
+def test_a_burst_of_bad_batches_carrying_ids_is_data_batch_by_batch(tmp_path, amp):
+    # Three consecutive batches each with one corrupt sample (NaN pixels) carrying its sample_idx: each is data,
+    # quarantined by index and id; no timing rule makes the burst "every batch breaks".
+    wd = str(tmp_path)
+    bad = [9, 11, 13]
+    dataset = IdentifiedDataset(N, num_query=16, bad={i: "nan" for i in bad})
+    r = build(wd, dataset, amp=amp, epochs=3, guard=dict(quarantine_fraction=0.25))
+    run(r)
+    assert r.epoch == 3 and params_finite(r)  # every epoch ran (rollbacks rewind the counter)
+    records = decisions(wd)
+    assert records and all(x["event"] == "divergence" and x["cause"]["cause"] == "data" for x in records), records
+    assert not _tuned(records)
+    assert sorted(guard_hook(r).guard.policy.skip) == bad
+    named = [s for x in records for s in x["cause"]["signals"].get("quarantined", [])]
+    assert all(s.get("sample_idx") == dataset.samples[s["index"]]["sample_idx"] for s in named)
+
+
+def test_a_memory_the_live_weights_poisoned_never_makes_the_good_batch_look_bad(tmp_path):
+    # A StreamPETR-style head whose memory is a plain attribute (no nan_to_num on it): a NaN weight at iteration 30
+    # makes it NaN. The replays on the healthy weights run with the memory of that moment (started afresh, as a
+    # rollback to it does): the failing batch trains fine there, the run recovers instead of stopping as a bug.
+    from petr_stability.testing.causes_models import build_memory_net
+
+    wd = str(tmp_path)
+    model = IdsModel(**MODEL)
+    model.net = build_memory_net(num_layers=1, num_query=16, layer_cfg=SEED_LAYER_CFG)
+    head = "net.pts_bbox_head.query_embedding.weight"  # feeds the decoder, whose output the memory keeps
+    fault = dict(type="FaultInjectionHook", faults=[dict(kind="weights", iters=[30], value="nan", param=head)])
+    r = build(wd, PlainPETR(N), model=model, iters=40, hooks=[fault])
+    run(r)
+    assert r.iter == 40 and params_finite(r)
+    records = decisions(wd)
+    assert records and all(x["event"] == "divergence" for x in records)
+    assert records[0]["cause"]["cause"] != "structural", records[0]["cause"]
+    healthy = records[0]["diagnosis"]["on_healthy_weights"]
+    assert healthy["reproduced"] is False and healthy["state_setup"] == ["net.pts_bbox_head"]
+    memory = r.model.net.pts_bbox_head.memory_embedding
+    assert memory is None or bool(torch.isfinite(memory).all())

@@ -4,9 +4,10 @@
 sample seen in two epochs is quarantined there); it returns the records the watch writes.
 """
 import math
-from typing import Any, Dict, List, NamedTuple
+from typing import Any, Dict, List, NamedTuple, Optional
 
 from ..batches import BatchWatch
+from ..errors import BadDataError
 from ..records import Event
 from ..remedies.change import Change
 from ..remedies.quarantine import short_samples
@@ -16,13 +17,15 @@ __all__ = ["Skip", "SkippedSteps"]
 
 
 class Skip(NamedTuple):
-    """A record to write for a step that went wrong (``emit``: also an incident the driver acts on)."""
+    """A record to write for a step that went wrong (``emit``: also an incident the driver acts on; ``error``: the
+    run stops with it once the record is written)."""
 
     event: Event
     decision: Decision
     changes: List[Change]
     fields: Dict[str, Any]
     emit: bool
+    error: Optional[BaseException] = None
 
 
 class SkippedSteps:
@@ -67,7 +70,12 @@ class SkippedSteps:
     def _learn(self, signals: StepSignals, named: List[Dict[str, Any]]) -> List[Skip]:
         # Samples that made steps go wrong in two different epochs are named and quarantined (the same list on
         # every rank, so every rank decides the same).
-        found = self.policy.recurring(self.io, named, self.batches.epoch_of(signals.iteration), signals.iteration)
+        try:
+            found = self.policy.recurring(self.io, named, self.batches.epoch_of(signals.iteration), signals.iteration)
+        except BadDataError as exc:  # a sample the quarantine's bound refused is back: a data problem, not a bug
+            self.io.log(str(exc), "error")
+            return [Skip(Event.GAVE_UP, Decision(Verdict.DIVERGED, "refused bad samples broke the run again"), [],
+                         {"why": str(exc), "batch": exc.samples}, True, exc)]
         if found is None:
             return []
         changes, samples, reason = found
