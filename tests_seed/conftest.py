@@ -91,6 +91,15 @@ def petr_data(tmp_path_factory: Any) -> Iterator[str]:
     yield write_scenes(root, "petr", num_scenes=2, frames=2, width=320, height=180, seed=1)
 
 
+@pytest.fixture(scope="session")
+def petr_cbgs_data(tmp_path_factory: Any) -> Iterator[str]:
+    """Two scenes of two key frames in PETR's 30f info format with 40 objects each, so that every class of the ten
+    is annotated somewhere (mmdet3d's ``CBGSDataset`` divides by each class's share); yields the info pickle's
+    path."""
+    root = str(tmp_path_factory.mktemp("petr_cbgs_data"))
+    yield write_scenes(root, "petr", num_scenes=2, frames=2, width=320, height=180, objects=40, seed=2)
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Every real run's wall time and iterations (the figures docs/seed-stack.md quotes)."""
     if SUMMARY:

@@ -158,6 +158,8 @@ def petrv2_config(spec: Dict[str, Any]) -> Any:
     _train_data(cfg, spec, "ResizeCropFlipImage", "DefaultFormatBundle3D", scale=0.2, batch_size=1)
     cfg.runner = dict(type="EpochBasedRunner", max_epochs=spec["max_epochs"])
     cfg.total_epochs = spec["max_epochs"]
+    if spec.get("cbgs"):  # as PETR's and PETRv2's trainval configs train: through mmdet3d's CBGSDataset
+        cfg.data.train = dict(type="CBGSDataset", dataset=cfg.data.train)
     _common(cfg, spec)
     return cfg
 
@@ -430,6 +432,21 @@ def choose_corrupt(dataset: Any, cfg: Any, where: Dict[str, int]) -> Dict[str, A
             "planned": [k + 1 for k, b in enumerate(batches) if index in b]}
 
 
+def choose_corrupt_copies(wrapper: Any, dataset: Any) -> Dict[str, Any]:
+    """The sample ``CBGSDataset`` serves under the most indices: the pipeline's ``InjectRawFrame`` makes camera 0
+    of it NaN; returns it with every outer index it is served under."""
+    copies: Dict[int, List[int]] = {}
+    for outer, inner in enumerate(wrapper.sample_indices):
+        copies.setdefault(int(inner), []).append(outer)
+    index = max(sorted(copies), key=lambda i: len(copies[i]))
+    token = dataset.data_infos[index]["token"]
+    inject = [t for t in dataset.pipeline.transforms if type(t).__name__ == "InjectRawFrame"]
+    if len(inject) != 1:
+        raise LookupError("corrupt_cbgs needs corrupt=dict(tokens=[]) in the spec (InjectRawFrame in the pipeline)")
+    inject[0].tokens, inject[0].camera = {token}, 0
+    return {"index": index, "token": token, "outer": copies[index], "outer_size": len(wrapper)}
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
@@ -480,6 +497,7 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         model = build_model(cfg.model, train_cfg=cfg.get("train_cfg"), test_cfg=cfg.get("test_cfg"))
         model.init_weights()
         dataset = build_dataset(cfg.data.train)
+        wrapper, dataset = (dataset, dataset.dataset) if spec.get("cbgs") else (None, dataset)
         REC.dataset = dataset
         original = dataset.prepare_train_data
 
@@ -490,6 +508,8 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         dataset.prepare_train_data = prepare  # the index each batch was built from, as the loader asks for it
         if spec.get("corrupt_at"):
             out["corrupt"] = choose_corrupt(dataset, cfg, spec["corrupt_at"])
+        if spec.get("corrupt_cbgs"):
+            out["corrupt"] = choose_corrupt_copies(wrapper, dataset)
         os.makedirs(cfg.work_dir, exist_ok=True)
         config_file = STREAMPETR_CONFIG if project == "streampetr" else PETRV2_CONFIG
         cfg.dump(os.path.join(cfg.work_dir, os.path.basename(config_file)))
@@ -511,8 +531,8 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
             else:
                 from mmdet3d.apis import train_model
 
-                train_model(model, [dataset], cfg, distributed=False, validate=False, timestamp=timestamp,
-                            meta=meta)
+                train_model(model, [wrapper or dataset], cfg, distributed=False, validate=False,
+                            timestamp=timestamp, meta=meta)
         except Exception as exc:  # the guard's NanGuardGaveUp / StructuralDivergence are results, not crashes
             out["error"] = {"type": type(exc).__name__, "message": str(exc),
                             "traceback": traceback.format_exc()[-4000:]}

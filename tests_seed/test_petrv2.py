@@ -67,3 +67,37 @@ def test_petrv2_divergence_takes_the_known_manual_fix(petr_root: str, petr_data:
     expect(os.path.exists(patched), "no nan_guard_patched_config.py")
     SUMMARY.append(f"petrv2 ({scale}) diagnosis: " + "; ".join(diagnosis_costs(r)))
     expect.check()
+
+
+def test_petrv2_through_cbgs_a_corrupt_sample_is_quarantined_under_every_index(petr_root: str, petr_cbgs_data: str,
+                                                                              runs_dir: str) -> None:
+    """PETRv2 trained through mmdet3d's real ``CBGSDataset`` (1.0rc6), as PETR's trainval configs do: one sample,
+    the one CBGS serves under the most indices, has camera 0 NaN. Wanted (issue 27): it is classed data (a
+    divergence or a recurring sample), quarantined under every index CBGS serves it under (its inner index and
+    token named), served at most twice (once to break a step; once more only where a skipped step names it
+    again), the epoch finishes and no hyperparameter changes."""
+    r = run_seed("petrv2_cbgs_corrupt", spec(petr_root, petr_cbgs_data, max_epochs=1, cbgs=True,
+                                             corrupt=dict(tokens=[], value="nan"), corrupt_cbgs=True), runs_dir)
+    bad = r.data["corrupt"]
+    assert len(bad["outer"]) >= 2, f"the premise: CBGS serves the sample under several indices ({bad})"
+    expect = Expect(r)
+    expect(r.error is None, f"the run raised {r.error}")
+    records = r.incidents()
+    data = [x for x in records if x.get("event") == "recurring_sample" or (x.get("cause") or {}).get("cause") == "data"]
+    expect(data, f"nothing classed data: {[(x.get('event'), (x.get('cause') or {}).get('cause')) for x in records]}")
+    named = [s for x in data for s in ((x.get("cause") or {}).get("signals") or {}).get("quarantined", [])
+             + (x.get("batch") or [])]
+    expect(any(s.get("inner_index") == bad["index"] and s.get("token") == bad["token"] for s in named),
+           f"no record names inner index {bad['index']} and token {bad['token']}: {named}")
+    skip = (((r.final.get("guard_state") or {}).get("policy") or {}).get("skip") or {}).get("indices") or {}
+    expect(sorted(int(i) for i in skip) == sorted(bad["outer"]),
+           f"quarantined {sorted(skip)}, CBGS serves the sample under {bad['outer']}")
+    served = sum(1 for it in r.iterations for i in it.get("indices") or [] if i == bad["index"])
+    expect(served <= 2, f"the sample was served {served} times (CBGS has it under {len(bad['outer'])} indices)")
+    changed = [a["target"] for x in records for a in x.get("actions") or [] if not a["target"].startswith("quar")]
+    expect(not changed, f"settings changed for bad data: {changed[:6]}")
+    expect(r.final.get("epoch") == 1 and r.final.get("params_finite"),
+           f"final epoch {r.final.get('epoch')}, params finite {r.final.get('params_finite')}")
+    SUMMARY.append(f"petrv2_cbgs_corrupt: sample {bad['index']} under {bad['outer']} of {bad['outer_size']}; "
+                   f"records {[(x.get('event'), x.get('iteration')) for x in records]}; served {served}")
+    expect.check()

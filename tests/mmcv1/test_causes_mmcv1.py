@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, default_collate
 import petr_stability  # noqa: F401  (registers the hooks)
 from petr_stability import read_incidents
 from petr_stability.core.config import REMEDIES
-from petr_stability.core.errors import NanGuardGaveUp, StructuralDivergence
+from petr_stability.core.errors import BadDataError, NanGuardGaveUp
 from petr_stability.core.remedies import fp32_modules, release_fp32
 from petr_stability.testing.causes_models import (
     DropsSampleIds,
@@ -132,18 +132,19 @@ def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
     assert seen == [(torch.float32, True), (torch.float16, False)]
 
 
-def test_wrong_transform_on_every_batch_stops_as_structural(tmp_path):
+def test_wrong_transform_on_every_batch_stops_as_a_data_problem_naming_the_samples(tmp_path):
     wd = str(tmp_path)
-    # The first 8 samples (iterations 1-4) are served right; from then on every sample is +/-Inf.
+    # The first 8 samples (iterations 1-4) are served right; from then on every sample is +/-Inf (a wrong transform):
+    # bad data batch after batch by the evidence, never "a bug" by a timing rule; once the recovery budget is spent
+    # on it the run stops as a data problem naming every bad sample, with no hyperparameter changed.
     r = build(wd, IdentifiedDataset(N, num_query=16, bug_after=8), max_epochs=3)
-    with pytest.raises(StructuralDivergence, match="structural"):
+    with pytest.raises(BadDataError, match="a data problem, not a bug") as err:
         run(r)
-    records = divergences(wd)
-    assert [rec["event"] for rec in records] == ["divergence", "gave_up"]
-    assert records[0]["cause"]["cause"] == "data"
-    last = records[-1]
-    assert last["cause"]["cause"] == "structural" and last["cause"]["signals"]["evidence_cause"] == "data"
-    assert "every batch breaks" in last["cause"]["evidence"]
+    assert "data pipeline's transforms" in str(err.value) and err.value.samples
+    *incidents, last = divergences(wd)
+    assert last["event"] == "gave_up" and len(incidents) == 5
+    assert all(rec["cause"]["cause"] == "data" for rec in incidents)
+    assert not [a for rec in incidents for a in rec["actions"] if not a["target"].startswith("quarantine")]
     assert params_finite(r)
 
 

@@ -100,7 +100,8 @@ def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[C
             return (Cause.FORWARD_OVERFLOW,
                     f"on the {where} weights the first NaN/Inf {made}, and {module} re-run alone in fp32 on the same "
                     f"inputs is finite (max |x| {check.get('max_abs')}, within {FP16_MAX:g})", [module], signals)
-    if first and first.get("where") == "input" and first.get("module") == "(model)":
+    # The batch as it arrives: at the model's input, or at MMEngine's data preprocessor (the model's first module).
+    if first and first.get("where") == "input" and first.get("module") in ("(model)", "data_preprocessor"):
         return (Cause.DATA, "the batch itself arrives holding NaN/Inf at the model's input", [],
                 dict(signals, input_nonfinite=True))
     window = report.get("window") or {}

@@ -219,8 +219,20 @@ class IncidentChain:
         # DDP replicas hold the same weights: one rank's finite check speaks for the state of all.
         inc.state_ok = any(v["checked"] is True for v in views) and not any(v["checked"] is False for v in views)
         if self.recoveries >= self.config.max_recoveries:
-            inc.stop = (NanGuardGaveUp, f"the recovery budget is spent ({self.recoveries} of max_recoveries="
-                                        f"{self.config.max_recoveries})")
+            spent = f"the recovery budget is spent ({self.recoveries} of max_recoveries={self.config.max_recoveries})"
+            if inc.cls.cause == Cause.DATA and self.policy.enabled(Cause.DATA):
+                # Bad data, batch after batch, past the budget: a data problem (a transform that breaks every sample,
+                # a corrupt shard), named sample by sample, not a bug in the model.
+                quarantine = self.policy.registry.get("quarantine")
+                found = quarantine.identify(self.io.dataset(), inc.ids)
+                quarantine.refuse(found)
+                inc.cls.signals["bad_data"] = quarantine.bad_samples(found)
+                inc.cls.evidence += (f"; {spent}, every divergence of late bad data: look at what every sample goes "
+                                     "through (the data pipeline's transforms, a wrong normalisation) and at the "
+                                     "files of the samples named")
+                self._bad_data_stop(inc)
+                return Step.GIVE_UP
+            inc.stop = (NanGuardGaveUp, spent)
             return Step.GIVE_UP
         return Step.ACT
 
@@ -229,11 +241,7 @@ class IncidentChain:
         if c.cause != Cause.STRUCTURAL:
             inc.changes = self.policy.act(c, self.io, inc.ids, self.recoveries + 1)
         if c.signals.get("bad_data"):  # samples the bound refused broke the run again: data, not a bug
-            every = c.signals["bad_data"]
-            inc.stop = (BadDataError, f"a data problem, not a bug: {c.evidence}. Every bad sample found "
-                                      f"({len(every)}): {short_samples(every, 32)}; start the next run from the "
-                                      "patched config (its quarantine=[...] keeps them all out), fix or drop them, "
-                                      "or raise quarantine_fraction")
+            self._bad_data_stop(inc)
             return Step.GIVE_UP
         if c.cause == Cause.STRUCTURAL:
             inc.changes = []
@@ -242,6 +250,13 @@ class IncidentChain:
             return Step.GIVE_UP
         self.note(inc.iteration, inc.changes)
         return Step.RESTORE
+
+    def _bad_data_stop(self, inc: Incident) -> None:
+        every = inc.cls.signals["bad_data"]
+        inc.stop = (BadDataError, f"a data problem, not a bug: {inc.cls.evidence}. Every bad sample found "
+                                  f"({len(every)}): {short_samples(every, 32)}; start the next run from the patched "
+                                  "config (its quarantine=[...] keeps them all out), fix or drop them, or raise "
+                                  "quarantine_fraction")
 
     def _restore(self, inc: Incident) -> Step:
         # Bad data met a state checked finite on every rank (the scaler or the fp32 skip kept it out): the state is

@@ -405,14 +405,23 @@ class Quarantine(Remedy):
     def _take_all(self, found: List[Tuple[str, List[int], Dict[str, Any]]],
                   meta: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
         taken, refused = [], []
+        fresh = [key for key, _, _ in found if not self.skip.has_sample(key)]
+        fits = self.skip.samples + len(fresh) <= self.skip.capacity  # all of a batch's samples, or none of them
         for key, indices, named in found:
-            if self.skip.add(indices, dict(meta, sample=key), sample=key):
+            if fits and self.skip.add(indices, dict(meta, sample=key), sample=key):
                 taken.append(named)
                 self.refused.pop(key, None)
             else:
                 refused.append(named)
                 self.refused[key] = dict(named, served_as=sorted(set(indices)))
         return taken, refused
+
+    def refuse(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]]) -> None:
+        """Remembers ``found`` samples that are not quarantined as refused (the run stops on them: the patched
+        config names them too)."""
+        for key, indices, named in found:
+            if self.skip is None or not self.skip.has_sample(key):
+                self.refused[key] = dict(named, served_as=sorted(set(indices)))
 
     def bad_samples(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]] = ()) -> List[Dict[str, Any]]:
         """Every bad sample this run found, as records name them: quarantined, refused, and ``found``."""
