@@ -101,8 +101,8 @@ class BatchWatch:
         return [samples[r] for r in rows] if rows else samples
 
     def flagged(self, fp16: bool) -> List[Dict[str, Any]]:
-        """Only the samples whose own values are non-finite or out of fp16's range (none where every row or no row
-        is): what an fp16 overflow, ordinary as most are, can be blamed on."""
+        """Only the samples whose own values are non-finite or out of fp16's range (a batch of one sample included):
+        what an fp16 overflow, ordinary as most are, can be blamed on."""
         samples = self.samples()
         rows = suspect_rows(self.batch, len(samples), fp16) if samples else []
         return [samples[r] for r in rows]

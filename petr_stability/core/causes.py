@@ -60,9 +60,13 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
     CauseRow(Cause.DATA, "data",
              "the batch arrives non-finite at the model's input, or breaks the healthy weights too while a batch "
              "known to be good does not, or (weights finite, buffers or temporal state not) a batch since the healthy "
-             "snapshot, replayed from it, is the first to make them non-finite",
-             "quarantine the batch's samples (by dataset index) for the rest of the run; roll back unless the state "
-             "was checked finite on every rank (then the batch is only skipped); no hyperparameter changes",
+             "snapshot, replayed from it, is the first to make them non-finite; no replay: some of its samples hold "
+             "non-finite values of their own",
+             "quarantine the batch's samples (each under every index a dataset wrapper serves it by) for the rest "
+             "of the run, within quarantine_fraction (past it: refused, the batch skipped; refused samples that "
+             "break the run again, or the recovery budget spent on bad data: stop with BadDataError naming every "
+             "bad sample); roll back unless the state was checked finite on every rank (then the batch is only "
+             "skipped); no hyperparameter changes",
              True, "the quarantined samples are listed in the incident log (dataset index, "
                                     "sample_idx, token)"),
     CauseRow(Cause.DYNAMICS, "dynamics",
@@ -75,7 +79,7 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              "keep diagnose=True and let snapshots be confirmed, so that the replay can compare"),
     CauseRow(Cause.STRUCTURAL, "structural",
              "a batch known to be good breaks the healthy weights too (or none has trained since the run's "
-             "start), data keeps breaking right after a quarantine on every rank, or the class's remedies are spent",
+             "start), or the class's remedies are spent; no timing rule overrides evidence that the data is bad",
              "stop with StructuralDivergence, naming the class, the evidence and what to look at",
              False,
              "what every batch goes through: the data pipeline's transforms (a wrong normalisation, degenerate "

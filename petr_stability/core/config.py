@@ -55,12 +55,13 @@ class GuardConfig:
         temporal_reset: methods called after every rollback on modules that have them, to clear state kept outside
             ``state_dict()`` (StreamPETR's ``reset_memory``; ``reset`` only on Sparse4D's ``InstanceBank``).
             Defaults to ``('reset_memory', 'reset')``.
-        quarantine_fraction: at most this fraction of the dataset is quarantined as bad data; past it the run is
-            structural. Defaults to 0.001.
+        quarantine_fraction: at most this fraction of the dataset's samples is quarantined as bad data (at least
+            one); a batch past it is refused and skipped, and refused samples that break the run again stop it with
+            :class:`~.errors.BadDataError`. Defaults to 0.001.
         first_iterations: a data divergence within this many iterations is structural at once (the first batches
-            break the weights the run started from). 0 turns the rule off: a bug that breaks every batch is still
-            stopped at its second incident by the recurrence rule, and one bad early sample is quarantined.
-            Defaults to 0.
+            break the weights the run started from), unless the batch known to be good trains fine or the batch's
+            own values are non-finite (evidence that the data is bad). 0 turns the rule off: a bug that breaks every
+            batch is stopped by the batch known to be good breaking too. Defaults to 0.
         spike_window / spike_z / spike_warmup: the grad_norm early warning (a running z-score over the host float
             the runner already logs): window, threshold in standard deviations, values before it speaks.
             Defaults to 100, 3.0, 25.

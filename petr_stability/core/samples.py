@@ -255,9 +255,9 @@ def _row_tensors(obj: Any, count: int, depth: int = 0) -> Iterator[Tuple[int, to
 def suspect_rows(batch: Any, count: int, fp16: bool) -> List[int]:
     """The rows (sample positions) of a batch of ``count`` samples whose own values are non-finite, or beyond fp16's
     range when the step ran in fp16 (a raw 16-bit pixel becomes Inf under autocast; float64 values, timestamps in
-    seconds, never reach fp16 code: :func:`~.fp16.reaches_fp16`). Empty when every row looks
-    alike: then the batch as a whole is what broke. Reads the batch where it lives (on the host, as loaders give
-    it); called on steps that already went wrong, never on healthy ones."""
+    seconds, never reach fp16 code: :func:`~.fp16.reaches_fp16`). Every row where every row is bad (a batch of one
+    sample included: its own values are the evidence); empty where none is. Reads the batch where it lives (on the
+    host, as loaders give it); called on steps that already went wrong, never on healthy ones."""
     if count < 1 or batch is None:
         return []
     bad = set()
@@ -268,4 +268,4 @@ def suspect_rows(batch: Any, count: int, fp16: bool) -> List[int]:
         if not bool(torch.isfinite(t).all()) or (fp16 and t.numel() and reaches_fp16(t)
                                                  and float(t.abs().amax()) > FP16_MAX):
             bad.add(row)
-    return sorted(bad) if len(bad) < count else []
+    return sorted(bad)

@@ -220,7 +220,7 @@ def from_inputs(flagged: Sequence[Mapping[str, Any]], iteration: Optional[int] =
     if not flagged:
         return None
     return Classification(Cause.DATA, f"no replay ran, and {len(flagged)} sample(s) of the batch hold non-finite (or, "
-                                      "under fp16, out-of-range) values of their own while the others do not",
+                                      "under fp16, out-of-range) values of their own",
                           [], {"flagged_inputs": len(flagged), "iteration": iteration})
 
 
