@@ -6,27 +6,12 @@ the PETR-shaped model (CPU), as ratios measured in one run (docs/benchmarks.md).
 import argparse
 import copy
 import math
-import statistics
-import time
-from typing import Callable, Dict
 
 import torch
+from timing import median_seconds, stack
 
 from petr_stability.core.diagnosis import diagnose_step
 from petr_stability.testing.petr_like import build_petr_like, make_batch
-
-
-def _stack(samples: list) -> Dict[str, torch.Tensor]:
-    return {k: torch.stack([s[k] for s in samples]) for k in ("inputs", "cls_t", "reg_t")}
-
-
-def _median(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -37,7 +22,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = build_petr_like(num_layers=args.layers, num_query=32).train()
-    bad, good = _stack(make_batch(2, num_query=32, seed=0)), _stack(make_batch(2, num_query=32, seed=1))
+    bad, good = stack(make_batch(2, num_query=32, seed=0)), stack(make_batch(2, num_query=32, seed=1))
     bad["inputs"][0, :4] = math.nan  # a corrupt image: the failing batch breaks the healthy weights too
     healthy = copy.deepcopy(net.state_dict())
 
@@ -60,8 +45,9 @@ def main() -> None:
         opt.step()
 
     diagnosis(True)  # warm-up
-    without, with_ = _median(lambda: diagnosis(False), args.repeats), _median(lambda: diagnosis(True), args.repeats)
-    one_step = _median(step, args.repeats)
+    without = median_seconds(lambda: diagnosis(False), args.repeats)
+    with_ = median_seconds(lambda: diagnosis(True), args.repeats)
+    one_step = median_seconds(step, args.repeats)
     extra = with_ - without
     print(f"PETR-shaped model, {args.layers} decoder layers, batch 2, CPU, 1 thread, median of {args.repeats}:")
     print(f"  training step {one_step:.3f} s; diagnosis {without:.3f} s without the counterfactual, {with_:.3f} s with")

@@ -6,27 +6,13 @@ window since the healthy snapshot, on the PETR-shaped model (CPU), as ratios to 
 """
 import argparse
 import copy
-import statistics
-import time
 from typing import Callable, Dict, List
 
 import torch
+from timing import median_seconds, stack
 
 from petr_stability.core.diagnosis.window import trace_window
 from petr_stability.testing.petr_like import build_petr_like, make_batch
-
-
-def _stack(samples: list) -> Dict[str, torch.Tensor]:
-    return {k: torch.stack([s[k] for s in samples]) for k in ("inputs", "cls_t", "reg_t")}
-
-
-def _median(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -43,7 +29,7 @@ def main() -> None:
     data[-1] = dict(data[-1], inputs=torch.full_like(data[-1]["inputs"], 1e20))  # poisons in the window's last batch
     healthy = copy.deepcopy(net.state_dict())
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    good = _stack(data[:2])
+    good = stack(data[:2])
 
     def step() -> None:
         loss = sum(net.losses(good["inputs"], good["cls_t"], good["reg_t"]).values())
@@ -55,17 +41,17 @@ def main() -> None:
         return lambda: net.losses(batch["inputs"], batch["cls_t"], batch["reg_t"])
 
     def rebuild(indices: List[int]) -> Dict[str, torch.Tensor]:
-        return _stack([data[i] for i in indices])
+        return stack([data[i] for i in indices])
 
     step()  # warm-up
-    one_step = _median(step, args.repeats)
+    one_step = median_seconds(step, args.repeats)
     print(f"PETR-shaped model, {args.layers} decoder layers, batch 2, CPU, 1 thread, median of {args.repeats}:")
     print(f"  training step {one_step:.3f} s")
     for w in args.window:
         window = [(k + 1, [n - 2 * w + 2 * k, n - 2 * w + 2 * k + 1]) for k in range(w)]
         report = trace_window(net, healthy, window, rebuild, forward_for)
         assert report["found"] and report["blamed"] == [n - 1], report
-        took = _median(lambda win=window: trace_window(net, healthy, win, rebuild, forward_for), args.repeats)
+        took = median_seconds(lambda win=window: trace_window(net, healthy, win, rebuild, forward_for), args.repeats)
         print(f"  window of {w} batches, culprit last: {report['forwards']} forwards, {took:.3f} s = "
               f"{took / one_step:.2f} x a training step ({took / one_step / w:.2f} x per batch of the window)")
 
