@@ -102,7 +102,9 @@ def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[C
                     f"inputs is finite (max |x| {check.get('max_abs')}, within {FP16_MAX:g})", [module], signals)
     # The batch as it arrives: at the model's input, or at MMEngine's data preprocessor (the model's first module).
     if first and first.get("where") == "input" and first.get("module") in ("(model)", "data_preprocessor"):
-        return (Cause.DATA, "the batch itself arrives holding NaN/Inf at the model's input", [],
+        known = (f", while {good.get('batch')}, known to be good, trains fine on the healthy weights"
+                 if good is not None and not good.get("reproduced") else "")
+        return (Cause.DATA, f"the batch itself arrives holding NaN/Inf at the model's input{known}", [],
                 dict(signals, input_nonfinite=True))
     window = report.get("window") or {}
     if window.get("found"):
