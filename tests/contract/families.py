@@ -117,6 +117,10 @@ class TorchLoopRun:
         """NaN features in one sample of the dataset (a corrupt record)."""
         self.samples[index][0] = math.nan
 
+    def live_dataset(self) -> Any:
+        """The dataset the training loader reads (after train())."""
+        return self.io.loader.dataset
+
     def wrap_dataset(self, wrap: Any) -> Any:
         """Trains on ``wrap(the dataset)`` (before train()); returns the wrapped dataset."""
         dataset = wrap(self.io.loader.dataset)
@@ -151,6 +155,10 @@ class MMEngineRun:
     @property
     def _leaf(self) -> Any:
         return getattr(self, "leaf", None) or self.runner._train_dataloader["dataset"]
+
+    def live_dataset(self) -> Any:
+        """The dataset the training loader reads (after train(): MMEngine builds the loader from a deep copy)."""
+        return self.runner.train_dataloader.dataset
 
     def wrap_dataset(self, wrap: Any) -> Any:
         """Trains on ``wrap(the dataset)`` (before train()); returns the wrapped dataset."""
@@ -197,6 +205,10 @@ class MMCV1Run:
         """NaN pixels in one sample of the dataset (a corrupt image)."""
         samples = (getattr(self, "leaf", None) or self.runner.loader.dataset).samples
         samples[index] = poison_pixels(samples[index])
+
+    def live_dataset(self) -> Any:
+        """The dataset the training loader reads (after train())."""
+        return self.runner.loader.dataset
 
     def wrap_dataset(self, wrap: Any) -> Any:
         """Trains on ``wrap(the dataset)`` (before train()); returns the wrapped dataset."""
