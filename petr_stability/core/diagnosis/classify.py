@@ -218,7 +218,7 @@ def data_by_evidence(signals: Mapping[str, Any]) -> bool:
 
 def from_inputs(flagged: Sequence[Mapping[str, Any]], iteration: Optional[int] = None) -> Optional[Classification]:
     """Where no replay ran: the samples of the batch whose own values are non-finite (or past fp16's range under
-    fp16) while the others' are not are evidence of bad data by themselves. None when no sample is flagged."""
+    fp16) are evidence of bad data by themselves. None when no sample is flagged."""
     if not flagged:
         return None
     return Classification(Cause.DATA, f"no replay ran, and {len(flagged)} sample(s) of the batch hold non-finite (or, "

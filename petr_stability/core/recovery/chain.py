@@ -27,7 +27,7 @@ from ..errors import BadDataError, NanGuardGaveUp, NoHealthyStateError, Structur
 from ..port import GuardIO, Payload
 from ..records import Event, step_record
 from ..remedies import Change
-from ..remedies.quarantine import short_samples
+from ..remedies.quarantine import bad_data_advice
 from ..watch.detector import Decision, StepSignals
 from .policy import CausePolicy
 from .restore import RESTORE_ORDER, RestorePoints, as_tensors
@@ -203,9 +203,7 @@ class IncidentChain:
         # the gradient all-reduce), and within it the samples whose own values are bad, where only some are.
         fp16 = inc.signals.scale_mode != "none"
         mine = {"cls": None if inc.local is None else inc.local.as_dict(),
-                "ids": window_samples(inc.diagnosis, self.io.dataset())
-                or (self.batches.suspects(fp16) if batch_broke(inc.diagnosis) else self.batches.flagged(fp16)
-                    if inc.local is not None and inc.local.signals.get("flagged_inputs") else []),
+                "ids": self._named_here(inc, fp16),
                 "checked": inc.signals.weights_finite}
         views = distributed.gather(mine)
         agreed = merge([None if v["cls"] is None else Classification.from_dict(v["cls"]) for v in views])
@@ -223,10 +221,7 @@ class IncidentChain:
             if inc.cls.cause == Cause.DATA and self.policy.enabled(Cause.DATA):
                 # Bad data, batch after batch, past the budget: a data problem (a transform that breaks every sample,
                 # a corrupt shard), named sample by sample, not a bug in the model.
-                quarantine = self.policy.registry.get("quarantine")
-                found = quarantine.identify(self.io.dataset(), inc.ids)
-                quarantine.refuse(found)
-                inc.cls.signals["bad_data"] = quarantine.bad_samples(found)
+                inc.cls.signals["bad_data"] = self.policy.registry.get("quarantine").spent(self.io.dataset(), inc.ids)
                 inc.cls.evidence += (f"; {spent}, every divergence of late bad data: look at what every sample goes "
                                      "through (the data pipeline's transforms, a wrong normalisation) and at the "
                                      "files of the samples named")
@@ -251,12 +246,21 @@ class IncidentChain:
         self.note(inc.iteration, inc.changes)
         return Step.RESTORE
 
+    def _named_here(self, inc: Incident, fp16: bool) -> List[Dict[str, Any]]:
+        """The samples this rank blames: those the window trace found, else, where its own batch broke on replay, its
+        suspects, else, where no replay ran, the samples holding bad values of their own; none otherwise."""
+        traced = window_samples(inc.diagnosis, self.io.dataset())
+        if traced:
+            return traced
+        if batch_broke(inc.diagnosis):
+            return self.batches.suspects(fp16)
+        if inc.local is not None and inc.local.signals.get("flagged_inputs"):
+            return self.batches.flagged(fp16)
+        return []
+
     def _bad_data_stop(self, inc: Incident) -> None:
-        every = inc.cls.signals["bad_data"]
-        inc.stop = (BadDataError, f"a data problem, not a bug: {inc.cls.evidence}. Every bad sample found "
-                                  f"({len(every)}): {short_samples(every, 32)}; start the next run from the patched "
-                                  "config (its quarantine=[...] keeps them all out), fix or drop them, or raise "
-                                  "quarantine_fraction")
+        inc.stop = (BadDataError, f"a data problem, not a bug: {inc.cls.evidence}. "
+                                  f"{bad_data_advice(inc.cls.signals['bad_data'])}")
 
     def _restore(self, inc: Incident) -> Step:
         # Bad data met a state checked finite on every rank (the scaler or the fp32 skip kept it out): the state is

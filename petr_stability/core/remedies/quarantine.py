@@ -3,7 +3,7 @@
 Bad data (:data:`~..causes.Cause.DATA`) would come back every epoch; its samples go into a :class:`SkipList` (kept in
 the guard's checkpoint state, and in the patched config) and the :class:`QuarantineSampler` around the loader's index
 source (:class:`~..tracking.SampleTracker` puts it there) replaces them by healthy indices from then on, also after a
-resume. :func:`quarantine_samples` is the remedy. Torch only: MMEngine's and MMCV 1.x's samplers are duck-typed.
+resume. :class:`Quarantine` is the remedy. Torch only: MMEngine's and MMCV 1.x's samplers are duck-typed.
 """
 import math
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -16,8 +16,7 @@ from ..wrappers import describe, indices_serving, sample_of, wraps
 from .base import Context, Remedy, When
 from .change import Change
 
-__all__ = ["SkipList", "QuarantineSampler", "QuarantineRefused", "quarantine_samples", "Quarantine",
-           "short_samples"]
+__all__ = ["SkipList", "QuarantineSampler", "Quarantine", "short_samples", "bad_data_advice"]
 
 #: Samples remembered for the recurrence rule (the newest kept): far more than any run's bad samples.
 _MAX_SIGHTINGS = 100000
@@ -73,6 +72,14 @@ class SkipList:
         """Whether the sample named ``sample`` (:func:`~..wrappers.sample_of`'s key, or its ids) is quarantined."""
         return sample in self._samples
 
+    def indices_of(self, sample: str) -> List[int]:
+        """The indices ``sample`` is quarantined under (none when it is not)."""
+        return list(self._samples.get(sample, []))
+
+    def by_sample(self) -> Dict[str, List[int]]:
+        """Every quarantined sample and the indices it is quarantined under."""
+        return {k: list(v) for k, v in self._samples.items()}
+
     def add(self, indices: Iterable[Any], meta: Optional[Mapping[str, Any]] = None,
             sample: Optional[str] = None) -> bool:
         """Quarantines ``indices``, all or none.
@@ -124,7 +131,7 @@ class SkipList:
     def state_dict(self) -> Dict[str, Any]:
         # String keys: a checkpoint's state also goes through JSON-minded tools.
         return {"version": 2, "indices": {str(k): dict(v) for k, v in sorted(self._meta.items())},
-                "samples": {k: list(v) for k, v in self._samples.items()}}
+                "samples": self.by_sample()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # The bound is this run's (the config may have changed); what was quarantined stays quarantined.
@@ -222,22 +229,23 @@ class QuarantineSampler:
                                 self.replaced += 1
                     last[slot] = index
                     out.append(index)
-                elif self._healthy_substitute(last, slot) is not None:
-                    out.append(self._healthy_substitute(last, slot))
-                    self.replaced += 1
                 else:
-                    out.append(_HOLE)
+                    substitute = self._healthy_substitute(last, slot)
+                    out.append(_HOLE if substitute is None else substitute)
+                    self.replaced += substitute is not None
             queue.append((is_batch, out))
-            if len(queue) > self._MAX_WAIT and self._healthy_substitute(last, -1) is not None:
-                self._fill(queue, self._healthy_substitute(last, -1))
+            anyone = self._healthy_substitute(last, -1) if len(queue) > self._MAX_WAIT else None
+            if anyone is not None:
+                self._fill(queue, anyone)
             while queue and not any(x is _HOLE for x in queue[0][1]):
                 batch, done = queue.pop(0)
                 yield done if batch else done[0]
         if queue:
-            if self._healthy_substitute(last, -1) is None:
+            anyone = self._healthy_substitute(last, -1)
+            if anyone is None:
                 raise RuntimeError(f"all {seen} indices this sampler yielded are quarantined: nothing healthy to "
                                    "train on (the skip list should have stopped the run as structural first)")
-            self._fill(queue, self._healthy_substitute(last, -1))
+            self._fill(queue, anyone)
             for batch, done in queue:
                 yield done if batch else done[0]
 
@@ -261,33 +269,18 @@ class QuarantineSampler:
                     self.replaced += 1
 
 
-class QuarantineRefused(ValueError):
-    """Quarantining the samples would pass the skip list's bound: nothing was added."""
-
-
-def quarantine_samples(skip: SkipList, indices: Iterable[int],
-                       meta: Optional[Mapping[str, Any]] = None) -> List[Change]:
-    """The quarantine remedy: ``indices`` join ``skip`` (all or none) and the sampler never yields them again.
-
-    Returns:
-        ``[Change('quarantine.samples', count before, count after)]``.
-
-    Raises:
-        QuarantineRefused: the new indices would pass ``skip.capacity`` (none is added).
-    """
-    indices = list(indices)
-    before = len(skip)
-    if not skip.add(indices, meta):
-        raise QuarantineRefused(f"quarantining {indices} would pass the bound of {skip.capacity} sample(s)")
-    return [Change("quarantine.samples", before, len(skip))]
-
-
-
 def short_samples(samples: List[Dict[str, Any]], limit: int = 4) -> str:
     """``(index=3, token=a), (index=9)`` and how many more: samples as one log line names them."""
     shown = ", ".join(", ".join(f"{k}={v}" for k, v in s.items() if k not in ("dataset", "served_as")).join("()")
                       for s in samples[:limit])
     return shown + (f" and {len(samples) - limit} more" if len(samples) > limit else "")
+
+
+def bad_data_advice(every: List[Dict[str, Any]]) -> str:
+    """What a :class:`~..errors.BadDataError` says after its evidence: every bad sample found and what to do."""
+    return (f"Every bad sample found ({len(every)}): {short_samples(every, 32)}. Start the next run from the patched "
+            "config (nan_guard_patched_config.py: its quarantine=[...] keeps them all out), fix or drop these "
+            "samples, or raise quarantine_fraction")
 
 
 class Quarantine(Remedy):
@@ -309,8 +302,8 @@ class Quarantine(Remedy):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.skip: Optional[SkipList] = None
-        #: Sample -> the (at most two) epochs in which it made a step go wrong.
-        self.sightings: Dict[str, List[int]] = {}
+        #: Sample -> the (at most two) [epoch, dataset index] at which it made a step go wrong.
+        self.sightings: Dict[str, List[List[int]]] = {}
         #: Sample -> how its record named it, for the samples the bound refused.
         self.refused: Dict[str, Dict[str, Any]] = {}
 
@@ -376,7 +369,7 @@ class Quarantine(Remedy):
 
     def _indices_of(self, key: str) -> List[int]:
         known = self.refused.get(key, {}).get("served_as", [])
-        return list(known) + (list(self.skip._samples.get(key, [])) if self.skip is not None else [])
+        return list(known) + (self.skip.indices_of(key) if self.skip is not None else [])
 
     # ------------------------------------------------------------------ a data incident
     def apply(self, ctx: Context) -> List[Change]:
@@ -413,28 +406,30 @@ class Quarantine(Remedy):
                 self.refused.pop(key, None)
             else:
                 refused.append(named)
-                self.refused[key] = dict(named, served_as=sorted(set(indices)))
+                self.refused[key] = _served(named, indices)
         return taken, refused
 
-    def refuse(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]]) -> None:
-        """Remembers ``found`` samples that are not quarantined as refused (the run stops on them: the patched
-        config names them too)."""
+    def spent(self, dataset: Any, ids: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The recovery budget is spent on bad data: the samples of ``ids`` not quarantined are remembered as refused
+        (the patched config names them too); returns every bad sample found."""
+        found = self.identify(dataset, ids)
         for key, indices, named in found:
             if self.skip is None or not self.skip.has_sample(key):
-                self.refused[key] = dict(named, served_as=sorted(set(indices)))
+                self.refused[key] = _served(named, indices)
+        return self.bad_samples(found)
 
     def bad_samples(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]] = ()) -> List[Dict[str, Any]]:
         """Every bad sample this run found, as records name them: quarantined, refused, and ``found``."""
         out: Dict[str, Dict[str, Any]] = {}
         if self.skip is not None:
-            for key, indices in self.skip._samples.items():
+            for key, indices in self.skip.by_sample().items():
                 first = self.skip.meta(indices[0]) if indices else {}
                 out[key] = {"index": indices[0], "served_as": sorted(indices)} if len(indices) > 1 else \
                     {"index": indices[0]}
                 if first.get("from"):
                     out[key]["from"] = first["from"]
         out.update({k: dict(v) for k, v in self.refused.items()})
-        out.update({k: dict(named, served_as=sorted(set(indices))) for k, indices, named in found})
+        out.update({k: _served(named, indices) for k, indices, named in found})
         return list(out.values())
 
     def _unnamed(self, ids: Sequence[Dict[str, Any]]) -> str:
@@ -503,13 +498,9 @@ class Quarantine(Remedy):
         return changes, taken + refused, reason
 
     def _bad_data_text(self, back: List[Dict[str, Any]], iteration: int) -> str:
-        every = self.bad_samples()
         return (f"NanGuard stopped at iter {iteration}: a data problem, not a bug. {short_samples(back, 8)}, refused "
                 f"by the quarantine's bound of {self.skip.capacity} sample(s) (quarantine_fraction="
-                f"{self.config.quarantine_fraction}), broke the run again. Every bad sample found "
-                f"({len(every)}): {short_samples(every, 32)}. Start the next run from the patched config "
-                "(nan_guard_patched_config.py: quarantine=[...] keeps them all out), or fix or drop these samples, "
-                "or raise quarantine_fraction.")
+                f"{self.config.quarantine_fraction}), broke the run again. {bad_data_advice(self.bad_samples())}.")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"skip": None if self.skip is None else self.skip.state_dict(),
@@ -521,7 +512,6 @@ class Quarantine(Remedy):
             # The bound is this run's, set once the loader (and its dataset's size) is known: skip_list.
             self.skip = SkipList(0, max_fraction=self.config.quarantine_fraction)
             self.skip.load_state_dict(state["skip"])
-        # Before samples were named by what they are, sightings were keyed by dataset index.
         self.sightings = {}
         for k, v in dict(state.get("sightings", {})).items():
             if str(k).isdigit():  # before samples were named by what they are: dataset index -> epochs
@@ -536,3 +526,8 @@ class Quarantine(Remedy):
                           if i is not None})
         return {"quarantined": quarantined, "refused": refused,
                 "bad_samples": sorted(set(quarantined) | set(refused))}
+
+
+def _served(named: Dict[str, Any], indices: Sequence[int]) -> Dict[str, Any]:
+    """How a record names a bad sample with every index it is served under."""
+    return dict(named, served_as=sorted(set(indices)))
