@@ -76,14 +76,10 @@ def _step(dataset: Any, index: int) -> Optional[Tuple[Any, int, Optional[int]]]:
     return None
 
 
-def _is_wrapper(dataset: Any) -> bool:
-    inner, parts = _inner(dataset)
-    return inner is not None or parts is not None
-
-
 def wraps(dataset: Any) -> bool:
     """Whether ``dataset`` wraps others (known here or not): then its indices are not its samples'."""
-    return dataset is not None and _is_wrapper(dataset)
+    inner, parts = _inner(dataset)
+    return inner is not None or parts is not None
 
 
 def _leaves(dataset: Any, depth: int = 0) -> List[Any]:
@@ -110,15 +106,18 @@ def sample_of(dataset: Any, index: int) -> Sample:
     Raises:
         IndexError: ``index`` is outside a wrapper's mapping.
     """
+    return _sample_of(dataset, index, _leaves(dataset))
+
+
+def _sample_of(dataset: Any, index: int, leaves: List[Any]) -> Sample:
     current, at = dataset, int(index)
     for _ in range(_MAX_DEPTH):
         step = _step(current, at)
         if step is None:
             break
         current, at, _ = step
-    leaves = _leaves(dataset)
     part = next((i for i, leaf in enumerate(leaves) if leaf is current), 0)
-    return Sample(part, at, not _is_wrapper(current), type(current).__name__, len(leaves))
+    return Sample(part, at, not wraps(current), type(current).__name__, len(leaves))
 
 
 # One table per dataset object (and length): a sample's outer indices, built once on the recovery path.
@@ -131,8 +130,9 @@ def _table(dataset: Any) -> Dict[str, List[int]]:
     if cached is not None and cached[0] is dataset and cached[1] == size:
         return cached[2]
     table: Dict[str, List[int]] = {}
+    leaves = _leaves(dataset)  # once: the chain is the same for every index
     for i in range(size):
-        table.setdefault(sample_of(dataset, i).key, []).append(i)
+        table.setdefault(_sample_of(dataset, i, leaves).key, []).append(i)
     _TABLES.clear()  # one training set per process is the rule; keep no stale tables alive
     _TABLES[id(dataset)] = (dataset, size, table)
     return table
