@@ -25,18 +25,17 @@ After every incident (and on giving up) rank 0 writes ``<work_dir>/nan_guard_pat
 import os
 from typing import Any, Callable, Dict, Optional
 
-from ..configfix import ConfigFix, check_runner_config, log_findings, write_patched_config
+from ..configfix import ConfigFix, check_runner_config, log_findings, read_config, write_patched_config
 from ..core.config import GuardConfig
-from ..core.diagnosis.rng import capture_rng
+from ..core.diagnosis.sandbox import capture_rng
 from ..core.distributed import get_rank, get_world_size, is_distributed
 from ..core.errors import NanGuardError, UnsafeCheckpointError
 from ..core.guard import NanGuard
 from ..core.port import GuardIO, RunConfig
 from ..core.records import INCIDENT_EVENTS, Event
 from ..core.recovery.restore import check_checkpoint, checkpoint_finite
-from ..core.remedies.registry import config_fix_fields
 
-__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "config_fix", "write_config_fix"]
+__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "write_config_fix"]
 
 #: File the driver writes into the work dir after an incident, so that the next run starts stable.
 PATCHED_CONFIG_FILE = "nan_guard_patched_config.py"
@@ -58,6 +57,8 @@ class GuardDriver:
         #: True between an iteration's start and the end of its epoch (the loop's own counter increment follows
         #: the iteration's last hook): decides how the runner's counter converts to completed iterations.
         self.inside = False
+        #: The run's effective config, read once at the start for every patched config the run writes.
+        self._run_config: Optional[RunConfig] = None
 
     def bind(self, io: GuardIO) -> NanGuard:
         """Builds the guard over ``io`` (at the run's start, before any checkpoint is loaded)."""
@@ -78,6 +79,7 @@ class GuardDriver:
         self.guard.attach_data()  # before the loader's first batch where the runner has built it by now
         self.io.store_state(self.state_dict())
         self._log_preflight()
+        self._run_config = self._read_run_config()
 
     def before_epoch(self) -> None:
         """As an epoch starts, before its loader's iterator exists: the sample tracker goes in."""
@@ -153,7 +155,19 @@ class GuardDriver:
         if not any(r.get("event") in INCIDENT_EVENTS + (Event.GAVE_UP, Event.RECURRING_SAMPLE) for r in records):
             return
         if self.config.write_patched_config and get_rank() == 0 and self.io.work_dir:
-            write_config_fix(self.io.run_config(), self.io.work_dir, config_fix(self.guard.summary()), self.io.log)
+            write_config_fix(self._run_config or self.io.run_config(), self.io.work_dir, self.guard.config_fix(),
+                             self.io.log)
+
+    def _read_run_config(self) -> Optional[RunConfig]:
+        """The run's config, read into plain dicts once (rank 0, where patched configs are written); the runner's
+        own object where it cannot be read (the write says why, then)."""
+        run_config = self.io.run_config()
+        if run_config is None or run_config.config is None or get_rank() != 0 or not self.config.write_patched_config:
+            return run_config
+        try:
+            return RunConfig(read_config(run_config.config, self.io.work_dir), run_config.filename)
+        except Exception:  # noqa: BLE001 (the write after an incident reads it again, and logs why it cannot)
+            return run_config
 
     def _log_preflight(self) -> None:
         # The same checks as `petr-stability check`, on the run's effective config and its real world size;
@@ -185,12 +199,6 @@ class DrivenHook:
         return self.driver.guard
 
 
-def config_fix(summary: Dict[str, Any]) -> ConfigFix:
-    """What a config must change to start where the live run stands: the settings the guard put in force
-    (:meth:`~petr_stability.core.guard.NanGuard.summary`; each remedy names its fields), nothing else."""
-    return ConfigFix(**config_fix_fields(summary))
-
-
 def write_config_fix(run_config: Optional[RunConfig], work_dir: str, fix: ConfigFix,
                      log: Callable[..., None]) -> Optional[str]:
     """Writes ``<work_dir>/nan_guard_patched_config.py``: the run's effective config with ``fix`` applied.
@@ -198,7 +206,7 @@ def write_config_fix(run_config: Optional[RunConfig], work_dir: str, fix: Config
     Args:
         run_config: the run's effective config and the file it came from, or None.
         work_dir: the run's work dir.
-        fix: the settings the guard changed (:func:`config_fix`).
+        fix: the settings the guard put in force (:meth:`~petr_stability.core.guard.NanGuard.config_fix`).
         log: the adapter's logger.
 
     Returns:

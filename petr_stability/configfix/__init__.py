@@ -1,6 +1,5 @@
 """The config library under ``patch-config``, ``check`` and the hook's patched config; needs no torch, no core."""
 from .child import child_config, child_overrides
-from .fix import KNOWN_MANUAL_FIX, ConfigFix
 from .keys import FAMILIES, config_family
 from .load import (
     LOADERS,
@@ -13,7 +12,15 @@ from .load import (
     read_config,
 )
 from .origin import Provenance, provenance
-from .patch import DROPOUT_KEYS, FLASH_EQUIVALENTS, ConfigChange, apply_fix, strip_fault_injection
+from .patch import (
+    DROPOUT_KEYS,
+    FLASH_EQUIVALENTS,
+    KNOWN_MANUAL_FIX,
+    ConfigChange,
+    ConfigFix,
+    apply_fix,
+    strip_fault_injection,
+)
 from .preflight import (
     CHECKS,
     Finding,

@@ -1,12 +1,15 @@
-"""Applying a :class:`ConfigFix` to a merged config dict: each setting where the config's runner family keeps it."""
+"""What a config must change (:class:`ConfigFix`: the settings the live guard runs with), and applying it to a merged
+config dict: each setting where the config's runner family keeps it."""
 import copy
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from .fix import ConfigFix
 from .keys import config_family, fp16_loss_scales, is_number, optim_wrappers, plain
 
 __all__ = [
+    "KNOWN_MANUAL_FIX",
+    "ConfigFix",
     "DROPOUT_KEYS",
     "FLASH_EQUIVALENTS",
     "GUARD_HOOK",
@@ -15,6 +18,94 @@ __all__ = [
     "dropout_walk",
     "strip_fault_injection",
 ]
+
+#: How every message names the known manual fix; :meth:`ConfigFix.describe` fills in the real bound.
+KNOWN_MANUAL_FIX = "the known manual fix (transformer dropout 0, max_norm {max_norm})"
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+@dataclass
+class ConfigFix:
+    """What a config must change to reproduce the settings the live guard runs with.
+
+    Attributes:
+        max_norm: the clip bound the guard lowered to (None: clipping unchanged).
+        zero_dropout: the guard zeroed the head transformer's dropout.
+        fp32_modules: module name -> its class name, modules the guard runs in fp32.
+        lr_factor: product of the guard's learning-rate backoffs (1.0: none).
+        dynamic_loss_scale: the guard turned a static loss scale dynamic.
+        quarantine: dataset indices the guard quarantined.
+        carry: remedy name -> what it put in force that no config key holds, carried in the ``NanGuardHook`` entry
+            (``carry={...}``) and re-applied by that remedy before the next run's first iteration.
+    """
+
+    max_norm: Optional[float] = None
+    zero_dropout: bool = False
+    fp32_modules: Dict[str, str] = field(default_factory=dict)
+    lr_factor: float = 1.0
+    dynamic_loss_scale: bool = False
+    quarantine: List[int] = field(default_factory=list)
+    carry: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_norm is not None and (isinstance(self.max_norm, bool) or
+                                          not isinstance(self.max_norm, (int, float)) or
+                                          not 0 < self.max_norm < math.inf):
+            raise ValueError(f"max_norm must be a finite number > 0 or None, got {self.max_norm!r}")
+        if isinstance(self.lr_factor, bool) or not isinstance(self.lr_factor, (int, float)) or \
+                not 0 < self.lr_factor < math.inf:
+            raise ValueError(f"lr_factor must be a finite number > 0, got {self.lr_factor!r}")
+        if not isinstance(self.fp32_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in self.fp32_modules.items()):
+            raise ValueError(f"fp32_modules must map module names to class names, got {self.fp32_modules!r}")
+        if not isinstance(self.quarantine, (list, tuple, set, frozenset)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.quarantine):
+            raise ValueError(f"quarantine must be a list of dataset indices (ints >= 0), got {self.quarantine!r}")
+        self.quarantine = sorted(set(self.quarantine))
+        if not isinstance(self.carry, dict) or not all(isinstance(k, str) and k and isinstance(v, dict)
+                                                       for k, v in self.carry.items()):
+            raise ValueError(f"carry must map remedy names to dicts, got {self.carry!r}")
+        self.zero_dropout, self.dynamic_loss_scale = bool(self.zero_dropout), bool(self.dynamic_loss_scale)
+
+    @classmethod
+    def known_manual_fix(cls, max_norm: float = 1.0) -> "ConfigFix":
+        """The known manual fix: every transformer dropout 0 and ``max_norm = min(current, max_norm)``.
+
+        Args:
+            max_norm: the clip bound. Defaults to 1.0.
+        """
+        return cls(max_norm=max_norm, zero_dropout=True)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the fix changes no setting."""
+        return (self.max_norm is None and not self.zero_dropout and not self.fp32_modules and self.lr_factor == 1.0
+                and not self.dynamic_loss_scale and not self.quarantine and not self.carry)
+
+    def describe(self) -> str:
+        """Exactly what the fix holds, e.g. ``'the known manual fix (transformer dropout 0, max_norm 1); lr x 0.5'``;
+        ``'no setting changed'`` when empty."""
+        parts: List[str] = []
+        if self.zero_dropout and self.max_norm is not None:
+            parts.append(KNOWN_MANUAL_FIX.format(max_norm=_num(self.max_norm)))
+        elif self.max_norm is not None:
+            parts.append(f"max_norm {_num(self.max_norm)}")
+        elif self.zero_dropout:
+            parts.append("transformer dropout 0")
+        parts += [f"fp32: {name} ({cls})" for name, cls in self.fp32_modules.items()]
+        if self.lr_factor != 1.0:
+            parts.append(f"lr x {_num(self.lr_factor)}")
+        if self.dynamic_loss_scale:
+            parts.append("dynamic loss scale")
+        if self.quarantine:
+            parts.append(f"{len(self.quarantine)} sample(s) quarantined")
+        if self.carry:
+            parts.append(f"carried for {', '.join(sorted(self.carry))}")
+        return "; ".join(parts) or "no setting changed"
+
 
 #: Config keys that hold a drop probability, in every spelling the PETR family uses (megvii PETR / StreamPETR
 #: ``dropout`` and ``ffn_dropout``; MMCV 2 / mmdet3d 1.x ``attn_drop``, ``proj_drop``, ``ffn_drop``,
@@ -198,6 +289,22 @@ def _set_hook_list(cfg: Dict[str, Any], key: str, values: List[Any], changes: Li
             changes.append(ConfigChange(f"{path}.{key}", copy.deepcopy(old), list(new)))
 
 
+def _set_hook_carry(cfg: Dict[str, Any], carry: Mapping[str, Dict[str, Any]], changes: List[ConfigChange],
+                    notes: List[str]) -> None:
+    """``NanGuardHook(carry={remedy: state})``: each remedy's entry replaces the one the config had for it."""
+    hooks = _guard_hooks(cfg)
+    if not hooks:
+        notes.append(f"custom_hooks has no {GUARD_HOOK} entry (the hook was added in code?): carry={dict(carry)!r} "
+                     "not written; pass it to the hook yourself")
+        return
+    for path, hook in hooks:
+        old = hook.get("carry")
+        new = dict(old or {}, **{k: copy.deepcopy(v) for k, v in carry.items()})
+        if old != new:
+            hook["carry"] = new
+            changes.append(ConfigChange(f"{path}.carry", copy.deepcopy(old), copy.deepcopy(new)))
+
+
 # ---------------------------------------------------------------------------------------------- fp32 modules
 def _attention_configs(node: Any, path: str, cls: str) -> Iterator[Tuple[str, Dict[str, Any]]]:
     if isinstance(node, dict):
@@ -305,7 +412,8 @@ def apply_fix(cfg: Dict[str, Any], fix: ConfigFix) -> Tuple[List[ConfigChange], 
     transformer 0; ``fp32_modules`` -> a flash attention's config switched to its non-flash equivalent
     (:data:`FLASH_EQUIVALENTS`), any other module into ``NanGuardHook(fp32_modules=[...])``; ``lr_factor`` -> the
     optimizer's ``lr`` and the schedule's absolute floors (``eta_min``, ``min_lr``; ratios stay) times it;
-    ``dynamic_loss_scale`` -> ``loss_scale='dynamic'``; ``quarantine`` -> ``NanGuardHook(quarantine=[...])``.
+    ``dynamic_loss_scale`` -> ``loss_scale='dynamic'``; ``quarantine`` -> ``NanGuardHook(quarantine=[...])``;
+    ``carry`` -> ``NanGuardHook(carry={...})`` (each remedy's entry replaced).
 
     Args:
         cfg: the merged config (plain dicts), changed in place.
@@ -332,4 +440,6 @@ def apply_fix(cfg: Dict[str, Any], fix: ConfigFix) -> Tuple[List[ConfigChange], 
         _apply_loss_scale(cfg, family, changes, notes)
     if fix.quarantine:
         _set_hook_list(cfg, "quarantine", list(fix.quarantine), changes, notes)
+    if fix.carry:
+        _set_hook_carry(cfg, fix.carry, changes, notes)
     return changes, notes, family or ""

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .child import child_config
-from .fix import ConfigFix
-from .load import load_config, read_config
+from .load import ConfigSource, load_config, read_config
 from .origin import same_value
-from .patch import ConfigChange, apply_fix, strip_fault_injection
+from .patch import ConfigChange, ConfigFix, apply_fix, strip_fault_injection
 
 __all__ = ["PatchResult", "format_config", "format_changes", "write_text", "write_patched_config"]
 
@@ -184,7 +183,8 @@ def write_patched_config(cfg: Any, out_path: str, fix: ConfigFix, original_path:
     result are written from the changes actually made.
 
     Args:
-        cfg: the run's effective config (a dict, an mmengine or mmcv ``Config``, config text, or a ``.py`` path).
+        cfg: the run's effective config (a dict, an mmengine or mmcv ``Config``, config text, a ``.py`` path, or a
+            :class:`~.load.ConfigSource` read before).
         out_path: the file to write (its directory is created; written atomically).
         fix: what the run changed (see :class:`ConfigFix`).
         original_path: the config file the run was started from, for a child config. Defaults to None (the
@@ -198,7 +198,7 @@ def write_patched_config(cfg: Any, out_path: str, fix: ConfigFix, original_path:
     """
     fix = _check_fix(fix)
     out_path = _check_out(out_path)
-    src = read_config(cfg, base_dir, loader)
+    src = cfg if isinstance(cfg, ConfigSource) else read_config(cfg, base_dir, loader)
     original = (original_path if original_path is not None else src.path) if child else None
     patched = strip_fault_injection(src.config)
     dropped = len(src.config.get("custom_hooks") or []) - len(patched.get("custom_hooks") or [])

@@ -1,5 +1,5 @@
-"""The batch of each iteration on this rank: which dataset samples it holds, the last one known good, and which
-samples a step that went wrong is blamed on, agreed across ranks.
+"""The batch of each iteration on this rank: which dataset samples it holds, the last one known good, and which of
+its samples hold bad values of their own.
 
 Healthy steps pay host work only: a list lookup for the batch's indices (:class:`~.tracking.SampleTracker`) and a
 reference to the batch and its RNG state, kept one iteration longer as *the last good batch*, the counterfactual
@@ -78,6 +78,10 @@ class BatchWatch:
         included."""
         return [(i, idx) for i, idx in self.served if i < iteration] + [(iteration, self.indices)]
 
+    def good_indices(self) -> Optional[List[int]]:
+        """The dataset indices of the batch known to be good (the last healthy iteration's), or None."""
+        return next((idx for i, idx in reversed(self.served) if i == self.good_iteration), None)
+
     def epoch_of(self, iteration: int) -> int:
         """The pass over the data an iteration belongs to: every ``len(dataset)`` samples (all ranks) is one, so
         iteration-based loops count too; the runner's epoch where that cannot be worked out."""
@@ -117,23 +121,3 @@ class BatchWatch:
             return bool(diagnose(self.io.model(), forward, rng_state=self.rng, fp32_check=False)["reproduced"])
         except Exception:  # evidence only: a failed re-run blames nobody
             return False
-
-    def blame(self, fp16: bool) -> List[Dict[str, Any]]:
-        """The samples a step that went wrong is blamed on, agreed across ranks: this rank's :meth:`suspects` where
-        its own batch broke (under DDP every rank sees the all-reduced NaN gradient: a rank's batch broke only where
-        it breaks alone, :meth:`replays_broken`)."""
-        broke = not distributed.is_distributed() or self.replays_broken()
-        return self.agree_broken(broke, self.suspects(fp16))
-
-    def blame_flagged(self) -> List[Dict[str, Any]]:
-        """What an ordinary fp16 overflow is blamed on, agreed across ranks: only :meth:`flagged` samples."""
-        flagged = self.flagged(fp16=True)
-        return self.agree_broken(bool(flagged), flagged)
-
-    def agree_broken(self, broke: bool, samples: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        """The samples of every rank whose own batch broke, in rank order, the same list on every rank (one gather).
-        Each sample carries its ``rank`` where there is more than one."""
-        views = distributed.gather(samples if broke else [])
-        if len(views) == 1:
-            return list(views[0])
-        return [dict(s, rank=r) for r, part in enumerate(views) for s in part]

@@ -6,8 +6,8 @@ incident record take its action text (with the live ``lr_backoff`` and the polic
 docs/how-it-works.md's table is checked against it, and the report prints its text.
 """
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Mapping, Tuple
 
 __all__ = ["Cause", "CauseRow", "CAUSE_TABLE", "PRIORITY", "row", "Classification"]
 
@@ -99,29 +99,44 @@ def row(cause: Cause) -> CauseRow:
     return next(r for r in CAUSE_TABLE if r.cause == Cause(cause))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Classification:
-    """One divergence's class with the evidence for it.
+    """One divergence's class with the evidence for it: plain immutable data (:meth:`but` gives a changed copy).
 
     Attributes:
         cause: the class.
         evidence: one sentence saying which signal decided it.
-        modules: for forward overflow, the modules to run in fp32 (more than one after a merge). Defaults to [].
-        signals: the readings behind the evidence (JSON-ready). Defaults to {}.
+        modules: for forward overflow, the modules to run in fp32 (more than one after a merge). Defaults to ().
+        signals: the readings behind the evidence (JSON-ready; never changed in place). Defaults to {}.
         ranks: which ranks reported which cause, once agreed. Defaults to {}.
         action: what the guard does for it (the table's text, filled in by the policy). Defaults to "".
     """
 
     cause: Cause
     evidence: str
-    modules: List[str] = field(default_factory=list)
-    signals: Dict[str, Any] = field(default_factory=dict)
-    ranks: Dict[str, str] = field(default_factory=dict)
+    modules: Tuple[str, ...] = ()
+    signals: Mapping[str, Any] = field(default_factory=dict)
+    ranks: Mapping[str, str] = field(default_factory=dict)
     action: str = ""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cause", Cause(self.cause))
+        object.__setattr__(self, "modules", tuple(self.modules))
+        object.__setattr__(self, "signals", dict(self.signals))
+        object.__setattr__(self, "ranks", dict(self.ranks))
         if not self.action:  # the table's text; the policy writes this run's ladder and lr_backoff into it
-            self.action = row(self.cause).action.format(ladder="the ladder's rungs", lr_backoff="lr_backoff")
+            object.__setattr__(self, "action", row(self.cause).action.format(ladder="the ladder's rungs",
+                                                                             lr_backoff="lr_backoff"))
+
+    def but(self, **changes: Any) -> "Classification":
+        """A copy with ``changes`` (``signals`` replaces the whole mapping: merge it yourself)."""
+        if "cause" in changes and "action" not in changes and Cause(changes["cause"]) != self.cause:
+            changes["action"] = ""  # the new class's own action text
+        return replace(self, **changes)
+
+    def with_signals(self, **signals: Any) -> "Classification":
+        """A copy with ``signals`` merged into its signals."""
+        return replace(self, signals={**self.signals, **signals})
 
     def as_dict(self) -> Dict[str, Any]:
         """JSON-ready form for the incident record."""
@@ -131,5 +146,5 @@ class Classification:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Classification":
         """The inverse of :meth:`as_dict`."""
-        return cls(Cause(d["cause"]), str(d.get("evidence", "")), list(d.get("modules", [])),
+        return cls(Cause(d["cause"]), str(d.get("evidence", "")), tuple(d.get("modules", [])),
                    dict(d.get("signals", {})), dict(d.get("ranks", {})), str(d.get("action", "")))

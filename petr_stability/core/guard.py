@@ -6,24 +6,26 @@ at the same hook point where snapshots are both taken and restored: whatever the
 the capture, so counters, LR and schedulers stay consistent without special cases. Iterations are numbered as
 :mod:`~petr_stability.core.port` states once: 1-based, and a state "at N" is the state after N iterations.
 
-A confirmed divergence goes to :class:`~petr_stability.core.recovery.chain.IncidentChain`, which owns recovery and
-returns its record; every remedy (a stalled scale made dynamic, the adaptive clip, a recurring sample's quarantine
-included) is the policy's to dispatch (:class:`~petr_stability.core.recovery.policy.CausePolicy`): the watch only
-watches.
+Every incident goes to :class:`~petr_stability.core.recovery.chain.IncidentChain`, one path for all: a confirmed
+divergence, a stalled static scale, and a step that went wrong without diverging (an fp16 overflow, a skipped step, a
+non-finite loss) are its entry points, and it returns their records. Remedies are reached through the events the
+policy fires (:class:`~petr_stability.core.recovery.policy.CausePolicy`): the watch only watches.
 """
+import math
 from typing import Any, Dict, List, Optional
 
+from ..configfix.patch import ConfigFix
 from . import distributed
 from .batches import BatchWatch
 from .config import GuardConfig
 from .port import GuardIO
-from .records import Event, IncidentLog
-from .recovery.chain import Incident, IncidentChain
+from .records import IncidentLog
+from .recovery.chain import Entry, Incident, IncidentChain
 from .recovery.policy import CausePolicy
 from .recovery.restore import RestorePoints
+from .remedies.base import Remedy, When
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
 from .watch.health import nonfinite_attributes, state_finite
-from .watch.skips import SkippedSteps
 from .watch.spikes import GradNormMonitor
 
 __all__ = ["NanGuard"]
@@ -42,23 +44,21 @@ class NanGuard:
         self.io = io
         self.detector = DivergenceDetector(config.detector)
         self.incidents = IncidentLog(io.work_dir, enabled=distributed.get_rank() == 0)
-        self.points = RestorePoints(io, config.keep_snapshots, config.confirm_steps,
-                                    config.restore_from_checkpoints, config.snapshot_copies == "node")
         self.policy = CausePolicy(config)
+        self.points = RestorePoints(io, config.keep_snapshots, config.confirm_steps,
+                                    config.restore_from_checkpoints, config.snapshot_copies == "node",
+                                    self.policy.remedies.tags_in)
         self.batches = BatchWatch(io)
         self.chain = IncidentChain(config, io, self.points, self.policy, self.batches, self.incidents.path)
         self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
-        self.skips = SkippedSteps(io, self.batches, self.policy)
-        self.stalls = 0
         self._bad_attributes: List[str] = []
         #: Every record written since the driver last took them (:meth:`take_records`), on every rank.
         self.records: List[Dict[str, Any]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        # A remedy's state read by its checkpoint key (guard.scale_made_dynamic): the registry's to name.
-        if name.startswith("__") or name == "policy":
-            raise AttributeError(name)
-        return getattr(self.policy, name)
+    def remedy(self, name: str) -> Remedy:
+        """The run's remedy called ``name``: ``guard.remedy('quarantine').skip_list``,
+        ``guard.remedy('lr').lr_factor``."""
+        return self.policy.remedy(name)
 
     @property
     def recoveries(self) -> int:
@@ -66,14 +66,19 @@ class NanGuard:
         return self.chain.recoveries
 
     @property
+    def stalls(self) -> int:
+        """Stalled static scales made dynamic so far."""
+        return self.chain.stalls
+
+    @property
     def skipped_steps(self) -> int:
         """Steps skipped so far (by a loss scaler, or by the guard in fp32)."""
-        return self.skips.skipped_steps
+        return self.chain.skipped_steps
 
     @property
     def fp32_skips(self) -> int:
         """fp32 steps the guard skipped so far."""
-        return self.skips.fp32_skips
+        return self.chain.fp32_skips
 
     @property
     def run_id(self) -> str:
@@ -82,15 +87,16 @@ class NanGuard:
 
     # ------------------------------------------------------------------ setup and persistence
     def setup(self) -> None:
-        """Re-applies remedies recorded in a resumed state (call once the runner's objects exist)."""
-        self.policy.setup(self.io)
+        """Re-applies what a resumed state recorded and what the patched config carries (call once the runner's
+        objects exist)."""
+        self.policy.start(self.io)
         self._publish()
 
     def attach_data(self) -> None:
-        """As an epoch or an iteration starts: the sample tracker (and quarantine) go into the training loader once
-        it exists."""
+        """As an epoch or an iteration starts: the sample tracker (and what the remedies keep out of the loader, the
+        quarantine) go into the training loader once it exists."""
         if not self.batches.attached and self.io.train_loader() is not None:
-            self.batches.attach(self.policy.skip_list(self.io), self.io.log)
+            self.batches.attach(self.policy.attach(self.io), self.io.log)
 
     def begin(self, batch: Any, rng: Optional[Dict[str, Any]]) -> None:
         """As an iteration starts: its batch (a reference) and RNG state (a host copy), for a diagnosis."""
@@ -102,15 +108,13 @@ class NanGuard:
         that exists before any snapshot is confirmed. Costs one snapshot of host memory."""
         iteration, epoch = self.io.completed(inside=False)
         self.points.start = self.points.take(iteration, epoch, recycle=False, generation=self.recoveries,
-                                             **self.policy.tags())
+                                             tags=self.policy.tags())
 
     def state_dict(self) -> Dict[str, Any]:
         return {
             "version": 2,
             "run_id": self.points.run_id,
             **self.chain.state_dict(),
-            "stalls": self.stalls,
-            **self.skips.state_dict(),
             **self.policy.state_dict(),
             "detector": self.detector.state_dict(),
             "spikes": self.spikes.state_dict(),
@@ -119,8 +123,6 @@ class NanGuard:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.points.run_id = str(state.get("run_id", self.points.run_id))
         self.chain.load_state_dict(state)
-        self.stalls = int(state.get("stalls", 0))
-        self.skips.load_state_dict(state)
         self.policy.load_state_dict(state)
         self.detector.load_state_dict(state.get("detector", {}))
         self.spikes.load_state_dict(state.get("spikes", {}))
@@ -131,6 +133,18 @@ class NanGuard:
         :meth:`~.remedies.base.Remedy.summary`) and the ladder's rungs that held."""
         return {"recoveries": self.recoveries, "stalls": self.stalls, "iterations_lost": self.chain.iterations_lost,
                 "skipped_steps": self.skipped_steps, **self.policy.summary(self.io)}
+
+    def config_fix(self) -> ConfigFix:
+        """What a config must change to start where the live run stands: each remedy that acted says its part (its
+        :meth:`~.remedies.base.Remedy.config_entry`: settings the config keeps, and what only the hook entry can
+        carry), nothing else."""
+        fields: Dict[str, Any] = {}
+        carry: Dict[str, Dict[str, Any]] = {}
+        for name, entry in self.policy.remedies.config_entries(self.io).items():
+            fields.update(entry.fix)
+            if entry.carry:
+                carry[name] = dict(entry.carry)
+        return ConfigFix(**fields, carry=carry)
 
     # ------------------------------------------------------------------ the per-iteration path
     def after_iter(self) -> Decision:
@@ -153,10 +167,9 @@ class NanGuard:
             if reading.stepped:
                 self._on_healthy(reading.grad_norm, iteration, snapshot_due)
         elif agreed == Verdict.OVERFLOW:
-            self._on_overflow(signals, decision)
+            self._run(self._incident(Entry.SKIP, signals, decision, True, kind=self._skip_kind(signals)))
         elif agreed == Verdict.STALLED:
-            self.skips.skipped_steps += 1
-            self._on_stall(signals, decision)
+            self._run(self._incident(Entry.STALL, signals, decision, True))
         else:
             self._recover(signals, decision, inside=True)
         self.batches.end(iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped)
@@ -183,7 +196,7 @@ class NanGuard:
         if snapshot_due:
             _, epoch = self.io.completed(inside=True)
             self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.recoveries,
-                                                  **self.policy.tags()))
+                                                  tags=self.policy.tags()))
 
     def _watch_grad_norm(self, grad_norm: Optional[float], iteration: int) -> None:
         # The early warning and the adaptive clip read the host float the runner logged: no device read.
@@ -194,29 +207,14 @@ class NanGuard:
             self.io.log(f"NanGuard: early warning: {warning}", "warning")
         self.policy.on_healthy(self.io, self.spikes)
 
-    def _on_overflow(self, signals: StepSignals, decision: Decision) -> None:
-        for skip in self.skips.overflow(signals, decision):
-            record = self.chain.record(skip.event, signals, skip.decision, skip.changes, self._bad_attributes,
-                                       **skip.fields)
-            if skip.emit:  # an incident: the driver writes the patched config after it
-                self._emit(record)
-            else:
-                self.incidents.write(record)
-            if skip.error is not None:
-                raise skip.error
-
-    def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
-        changes = self.policy.on_stall(self.io, signals.iteration)
-        if not changes:
-            self._recover(signals, Decision(Verdict.DIVERGED, decision.reason + "; no scale remedy available"),
-                          inside=True)
-            return
-        self.stalls += 1
-        self.detector.reset()
-        self.chain.note(signals.iteration, changes)
-        self.io.log(f"NanGuard: static loss scale stalled training at iter {signals.iteration} ({decision.reason}); "
-                    + "; ".join(f"{c.target}: {c.old} -> {c.new}" for c in changes), "warning")
-        self._emit(self.chain.record(Event.STALLED, signals, decision, changes, self._bad_attributes))
+    @staticmethod
+    def _skip_kind(signals: StepSignals) -> str:
+        """An agreed OVERFLOW verdict: an ordinary fp16 overflow (the scale's doing: its loss is finite), a skipped step
+        (fp16 whose forward itself is non-finite, or fp32 dropped by the guard), or a non-finite fp32 loss whose
+        finite gradients were applied."""
+        if signals.scale_mode != "none" and (signals.loss is None or math.isfinite(signals.loss)):
+            return "overflow"
+        return "skip" if signals.scale_mode != "none" or signals.step_applied is False else "nonfinite_loss"
 
     def _healthy(self, optimizer: bool) -> bool:
         model = self.io.model()
@@ -234,18 +232,32 @@ class NanGuard:
         return True
 
     # ------------------------------------------------------------------ recovery
-    def _recover(self, signals: StepSignals, decision: Decision, inside: bool) -> None:
+    def _incident(self, entry: Entry, signals: StepSignals, decision: Decision, inside: bool,
+                  kind: str = "") -> Incident:
         iteration, epoch = self.io.completed(inside)
-        incident = self.chain.run(Incident(signals, decision, inside, iteration, epoch, self.batches.batch,
-                                           self.batches.rng, list(self._bad_attributes)))
-        if incident.error is not None:  # the record first, then the error
-            self._emit(incident.record)
+        return Incident(signals, decision, inside, iteration, epoch, self.batches.batch, self.batches.rng,
+                        list(self._bad_attributes), entry=entry, kind=kind,
+                        data_epoch=self.batches.epoch_of(signals.iteration) if entry == Entry.SKIP else epoch)
+
+    def _run(self, incident: Incident) -> Incident:
+        """Runs an incident through the chain and writes its records (the error, if any, after them)."""
+        incident = self.chain.run(incident)
+        if incident.error is not None:  # the records first, then the error
+            self._emit(incident.records)
             raise incident.error
+        if incident.entry == Entry.SKIP:
+            self._emit(incident.records)
+            return incident
         self.detector.reset()
-        self.io.read_step()  # forget the failed step's probe reading
-        self.io.after_recovery(self.state_dict(), inside)
-        self._emit(incident.record)
-        self.policy.after_incident(self.io)
+        if incident.entry == Entry.DIVERGENCE:
+            self.io.read_step()  # forget the failed step's probe reading
+            self.io.after_recovery(self.state_dict(), incident.inside)
+        self._emit(incident.records)
+        self.policy.event(When.HANDLED, self.io)
+        return incident
+
+    def _recover(self, signals: StepSignals, decision: Decision, inside: bool) -> None:
+        self._run(self._incident(Entry.DIVERGENCE, signals, decision, inside))
 
     def recover_now(self, reason: str, inside: bool) -> None:
         """Runs the recovery path at once (a non-finite state found outside a step's own signals)."""
@@ -258,9 +270,11 @@ class NanGuard:
         return distributed.reduce_max([0 if healthy_here else 1])[0] == 0
 
     # ------------------------------------------------------------------ records and scalars
-    def _emit(self, record: Dict[str, Any]) -> None:
-        self.incidents.write(record)
-        self.records.append(record)
+    def _emit(self, records: List[Dict[str, Any]]) -> None:
+        """Writes ``records`` and keeps them for the driver (the patched config follows an incident's)."""
+        for record in records:
+            self.incidents.write(record)
+            self.records.append(record)
 
     def take_records(self) -> List[Dict[str, Any]]:
         """The records written since the last call (the driver writes the patched config after an incident's)."""

@@ -12,15 +12,29 @@ last ``after_train_iter`` hook; :meth:`GuardIO.completed` and :meth:`GuardIO.rew
 """
 import abc
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
 
-from .remedies.change import Change
-from .remedies.clip import tighten_clip
+__all__ = ["Change", "StepReading", "ClipSetting", "Payload", "RunConfig", "GuardIO"]
 
-__all__ = ["StepReading", "ClipSetting", "Payload", "RunConfig", "GuardIO"]
+
+@dataclass
+class Change:
+    """One setting the guard changed: what, and its value before and after."""
+
+    target: str
+    old: Any
+    new: Any
+
+    def as_dict(self) -> Dict[str, Any]:
+        """JSON-ready: a non-finite float is written as its string (``'inf'``: JSON has no Infinity)."""
+        return {"target": self.target, "old": _jsonable(self.old), "new": _jsonable(self.new)}
+
+
+def _jsonable(value: Any) -> Any:
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 @dataclass
@@ -66,8 +80,22 @@ class ClipSetting:
         return float(self.kwargs["max_norm"]) if self.kind == "norm" else None
 
     def tighten(self, target: float) -> Optional[Change]:
-        """``max_norm = min(current, target)``; None when nothing changed (already tighter, or not a norm clip)."""
-        return tighten_clip(self.kwargs, target, target=self.name) if self.kind == "norm" else None
+        """``max_norm = min(current, target)``, never loosening a tighter clip; None when nothing changed (already
+        tighter, or not a norm clip: a per-element ``clip_value`` of 1 is a different, far looser, bound than a global
+        norm of 1, and is left as it is).
+
+        Raises:
+            ValueError: ``target`` is not a finite number > 0.
+        """
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
+            raise ValueError(f"max_norm must be a finite number > 0, got {target!r}")
+        if self.kind != "norm":
+            return None
+        current = float(self.kwargs["max_norm"])
+        if current <= target:
+            return None
+        self.kwargs["max_norm"] = target
+        return Change(self.name, current, target)
 
     def set_max_norm(self, value: float) -> None:
         """Sets the bound outright (a resumed or adaptive remedy); ignored for value clipping."""
@@ -88,7 +116,8 @@ class Payload:
         epoch: the runner's epoch counter then.
         source: ``'memory'``, ``'start'`` or the checkpoint's path.
         strict: load the model's state dict strictly (False for checkpoint files, which may lack buffers).
-        lr_factor: the product of learning-rate backoffs in force in this state.
+        tags: what the remedies recorded with this state (``{'<remedy>.<attribute>': value}``, their declared
+            :attr:`~.remedies.base.Remedy.tags`), so that a restore can bring back what it undoes.
     """
 
     state: Dict[str, Any]
@@ -96,7 +125,7 @@ class Payload:
     epoch: int
     source: str = "memory"
     strict: bool = True
-    lr_factor: float = 1.0
+    tags: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -4,15 +4,17 @@ One JSON object per line in ``<work_dir>/nan_guard_incidents.jsonl``, written by
 documents every field; tests/core/test_incident_schema.py checks the file against that table. The report, the demo
 and :func:`read_incidents` all read through :func:`read_records`.
 """
+import dataclasses
 import enum
 import json
+import math
 import os
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["INCIDENT_FILE", "Event", "INCIDENT_EVENTS", "LogProblem", "IncidentLog", "step_record",
+__all__ = ["INCIDENT_FILE", "Event", "INCIDENT_EVENTS", "LogProblem", "IncidentLog", "step_record", "json_ready",
            "read_records", "read_incidents"]
 
 #: File name of the incident log inside the work dir.
@@ -51,18 +53,30 @@ def step_record(event: Event, signals: Any, decision: Any, changes: Sequence[Any
         world_size: ranks in the run.
         **fields: the event's own fields (``cause``, ``restored_from``, ``batch``, ...).
     """
-    return {
+    return json_ready({
         "event": Event(event).value,
         "iteration": signals.iteration,
         "reason": decision.reason,
         "verdict": decision.verdict.name,
         "signals": signals.as_dict(),
-        "actions": [c.as_dict() for c in changes],
+        "actions": [dataclasses.asdict(c) for c in changes],
         "recoveries": recoveries,
         "max_recoveries": max_recoveries,
         "world_size": world_size,
         **fields,
-    }
+    })
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` as strict JSON can hold it: every non-finite float (NaN, Inf), however deep, as its string
+    (``'nan'``, ``'inf'``, ``'-inf'``); dicts, lists and tuples copied, anything else as it is."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
 
 
 class IncidentLog:

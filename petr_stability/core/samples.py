@@ -223,7 +223,7 @@ def indices_of(samples: Iterable[Mapping[str, Any]], dataset: Any = None) -> Lis
 
 def _row_tensors(obj: Any, count: int, depth: int = 0) -> Iterator[Tuple[int, torch.Tensor]]:
     """(row, tensor) for every floating tensor of the batch that belongs to one sample: a row of a tensor whose first
-    dimension is ``count``, or the i-th item of a list of ``count`` items."""
+    dimension is ``count``, the i-th item of a list of ``count`` items, or any tensor of a batch of one sample."""
     if depth > 8:
         return
     if hasattr(obj, "cpu_only") and hasattr(obj, "data"):  # MMCV 1.x DataContainer: data is per GPU
@@ -233,7 +233,9 @@ def _row_tensors(obj: Any, count: int, depth: int = 0) -> Iterator[Tuple[int, to
         yield from _row_tensors(data, count, depth + 1)
         return
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dim() >= 1 and obj.shape[0] == count:
+        if obj.is_floating_point() and count == 1:
+            yield 0, obj  # a batch of one sample: every tensor in it is that sample's, whatever its layout
+        elif obj.is_floating_point() and obj.dim() >= 1 and obj.shape[0] == count:
             yield from enumerate(obj.unbind(0))
         return
     if isinstance(obj, Mapping):

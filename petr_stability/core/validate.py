@@ -1,8 +1,10 @@
 """Argument checks shared by every constructor: each error names the argument and the bad value."""
 import math
-from typing import Any, List, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_list", "check_names", "check_indices"]
+__all__ = ["check_int", "check_bool", "check_number", "check_choice", "check_list", "check_names", "check_indices",
+           "Setting", "is_int", "is_number", "is_bool", "is_names", "is_choice"]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -63,3 +65,58 @@ def check_indices(name: str, value: Any) -> List[int]:
             raise ValueError(f"{name} must be a list of dataset indices (integers >= 0), got the element {item!r} "
                              f"in {value!r}")
     return sorted(set(items))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of the guard (an argument of ``NanGuardHook``): its name, default, check and docs text.
+
+    The core's settings are declared in :mod:`~.config`; each remedy declares its own beside its code
+    (:attr:`~.remedies.base.Remedy.settings`). docs/configuration.md's table is checked against these declarations.
+
+    Attributes:
+        name: the argument's name.
+        default: its value when not given (an immutable value: a tuple, not a list).
+        check: ``check(name, value) -> value`` validates (raising ``ValueError`` / ``TypeError`` that name the
+            value) and normalises it.
+        doc: one paragraph for docs/configuration.md.
+    """
+
+    name: str
+    default: Any
+    check: Callable[[str, Any], Any] = field(repr=False)
+    doc: str = ""
+
+    def value(self, arguments: Mapping[str, Any]) -> Any:
+        """The checked value ``arguments`` give it (its default where they do not)."""
+        return self.check(self.name, arguments.get(self.name, self.default))
+
+
+def is_int(minimum: int) -> Callable[[str, Any], int]:
+    """A :attr:`Setting.check`: an ``int`` >= ``minimum``."""
+    return lambda name, value: check_int(name, value, minimum)
+
+
+def is_number(above: float = 0.0, below: Optional[float] = None) -> Callable[[str, Any], float]:
+    """A :attr:`Setting.check`: a finite number > ``above`` (and, where given, < ``below``)."""
+    def check(name: str, value: Any) -> float:
+        number = check_number(name, value, above)
+        if below is not None and not number < below:
+            raise ValueError(f"{name} must be a number in ({above:g}, {below:g}), got {value!r}")
+        return number
+    return check
+
+
+def is_bool(name: str, value: Any) -> bool:
+    """A :attr:`Setting.check`: a real ``bool``."""
+    return check_bool(name, value)
+
+
+def is_names(name: str, value: Any) -> Tuple[str, ...]:
+    """A :attr:`Setting.check`: a list of strings, kept as a tuple."""
+    return tuple(check_names(name, value))
+
+
+def is_choice(*choices: Any) -> Callable[[str, Any], Any]:
+    """A :attr:`Setting.check`: one of ``choices``."""
+    return lambda name, value: check_choice(name, value, choices)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ..core.samples import ID_KEYS
 from .data import ListDataset
+from .fetches import guard_replay
 from .petr_like import ATTENTION, SEED_LAYER_CFG, PETRLike, PETRMultiheadAttention, PETRShapedHead, make_batch
 
 __all__ = [
@@ -105,7 +106,7 @@ class IdentifiedDataset(ListDataset):
             raise ValueError(f"bad_tokens must be an integer >= 1, got {bad_tokens!r}")
         self.bug_after = bug_after
         self.bad_tokens = bad_tokens
-        #: How many samples were served (the planted bug counts them), and how often each index was.
+        #: How many samples were served (the planted bug counts them), and how often the loader served each index.
         self.calls = 0
         self.served: Dict[int, int] = {}
         self.data_infos: List[Dict[str, Any]] = [{"sample_idx": sample_token(i)} for i in range(n)]
@@ -113,7 +114,8 @@ class IdentifiedDataset(ListDataset):
 
     def __getitem__(self, i: int) -> dict:
         self.calls += 1
-        self.served[int(i)] = self.served.get(int(i), 0) + 1
+        if not guard_replay():  # the guard's replays of rebuilt batches train nothing
+            self.served[int(i)] = self.served.get(int(i), 0) + 1
         sample = dict(self.samples[i])
         kind = self.bad.get(int(i))
         if kind is not None:

@@ -5,12 +5,15 @@ from typing import List, Sequence
 import torch
 from torch import nn
 
+from .fetches import guard_replay
+
 __all__ = ["Pairs", "mlp", "squared_error"]
 
 
 class Pairs(torch.utils.data.Dataset):
     """``(x, y)`` tuples, no ids, no infos: what a tutorial dataset looks like. The samples in ``bad`` hold NaN
-    features (a corrupt record); ``served`` lists every index read, in order.
+    features (a corrupt record); ``served`` lists every index the loader read, in order (the guard's replays of
+    rebuilt batches are ``replayed``).
 
     Args:
         n: samples.
@@ -23,12 +26,13 @@ class Pairs(torch.utils.data.Dataset):
         for i in bad:
             self.x[i, :3] = float("nan")
         self.served: List[int] = []
+        self.replayed: List[int] = []
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple:
-        self.served.append(int(i))
+        (self.replayed if guard_replay() else self.served).append(int(i))
         return self.x[i], self.y[i]
 
 

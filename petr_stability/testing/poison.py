@@ -1,25 +1,14 @@
 """A dataset with one sample that poisons BatchNorm's running statistics while every weight stays finite, for the
 window-trace tests of both runner families (torch only, with :mod:`.causes_models`' MMCV bricks)."""
-import os
-import sys
 from typing import Dict
 
 from .causes_models import IdentifiedDataset
+from .fetches import guard_replay
 
 __all__ = ["HUGE", "HugeSample"]
 
 #: Finite in fp32; its square is not, so a batch holding it beside ordinary samples overflows BatchNorm's variance.
 HUGE = 1e20
-
-
-def _from_trace() -> bool:
-    """Whether the guard's window trace (not the loader) is fetching."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(os.path.join("diagnosis", "window.py")):
-            return True
-        frame = frame.f_back
-    return False
 
 
 class HugeSample(IdentifiedDataset):
@@ -41,7 +30,7 @@ class HugeSample(IdentifiedDataset):
         self.traced: Dict[int, int] = {}
 
     def __getitem__(self, i: int) -> dict:
-        counts = self.traced if _from_trace() else self.fetches
+        counts = self.traced if guard_replay() else self.fetches
         counts[int(i)] = counts.get(int(i), 0) + 1
         sample = super().__getitem__(i)
         if int(i) == self.huge:

@@ -6,21 +6,25 @@ from typing import Any, List
 
 import torch
 
+from .fetches import guard_replay
+
 __all__ = ["CBGSLike", "RepeatLike", "ClassBalancedLike", "Counted"]
 
 
 class Counted:
-    """A dataset that records every index it serves (``served``, in order) and counts them (``fetches``)."""
+    """A dataset that records every index it serves to the loader (``served``, in order; the guard's replays of
+    rebuilt batches apart, ``replayed``) and counts them (``fetches``)."""
 
     def __init__(self, dataset: Any) -> None:
         self.base = dataset  # not ``dataset``: a leaf, not a wrapper to map through
         self.served: List[int] = []
+        self.replayed: List[int] = []
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, i: int) -> Any:
-        self.served.append(int(i))
+        (self.replayed if guard_replay() else self.served).append(int(i))
         return self.base[i]
 
     @property

@@ -206,7 +206,7 @@ def test_a_corrupt_sample_is_named_by_its_dataset_index_and_quarantined_alone(fa
     run.corrupt(bad)
     run.train()
     assert run.params_finite()
-    assert list(run.guard.policy.skip) == [bad]
+    assert list(run.guard.remedy("quarantine").skip_list) == [bad]
     named = [s for r in read_incidents(str(tmp_path)) for s in (r.get("batch") or [])
              + ((r.get("cause") or {}).get("signals", {}).get("quarantined") or [])]
     assert named and all(s.get("index") == bad for s in named)

@@ -68,7 +68,7 @@ def test_a_burst_of_bad_batches_is_data_batch_by_batch(family, tmp_path):
         run.corrupt(i)
     run.train()
     assert run.completed() == iters and run.params_finite()
-    assert sorted(run.guard.policy.skip) == bad  # every bad sample, no good one
+    assert sorted(run.guard.remedy("quarantine").skip_list) == bad  # every bad sample, no good one
     # Served at most twice (a step skipped on it in two epochs decides too), never again once quarantined.
     served = fetches(run)
     assert all(1 <= served[i] <= 2 for i in bad), {i: served[i] for i in bad}
@@ -82,7 +82,7 @@ def test_a_refused_quarantine_skips_the_batch_and_says_so(family, tmp_path):
     run, bad, iters = _two_bad_samples(family, tmp_path, passes=1 if FIRST_SIGHT[family] else 2)
     run.train()
     assert run.completed() == iters and run.params_finite()
-    assert list(run.guard.policy.skip) == bad[:1]
+    assert list(run.guard.remedy("quarantine").skip_list) == bad[:1]
     refused = [(r, named) for r, named in _named(tmp_path, "refused")]
     assert refused and all(s.get("index") == bad[1] for _, named in refused for s in named)
     assert "refused" in _why(refused[-1][0]) and ("skipped" in _why(refused[-1][0]) or not refused[-1][0]["actions"])
@@ -98,7 +98,7 @@ def test_refused_samples_that_break_again_stop_with_a_data_error_naming_every_ba
     assert all(f"index={i}" in message for i in bad), message
     assert "data" in message and "quarantine=" in message
     assert sorted(err.value.samples_indices) == bad
-    assert list(run.guard.policy.skip) == bad[:1]  # the bound held; nothing good was taken
+    assert list(run.guard.remedy("quarantine").skip_list) == bad[:1]  # the bound held; nothing good was taken
     stops = [r for r in read_incidents(str(tmp_path)) if r["event"] == "gave_up"]
     assert len(stops) == 1 and all(f"index={i}" in stops[0]["why"] for i in bad)
     if family == "torch_loop":  # the loop's config has the hook entry: the next run starts without every bad sample
@@ -121,7 +121,7 @@ def test_one_bad_sample_inside_a_resampling_wrapper_is_quarantined_under_every_i
     run.corrupt(bad)
     run.train()
     assert run.completed() == n + 2 and run.params_finite()
-    skip = run.guard.policy.skip
+    skip = run.guard.remedy("quarantine").skip_list
     assert sorted(skip) == copies[bad]  # every outer index of the sample, nothing else
     # Served at most twice (once where it broke a step, once more where a skipped step named it again), never
     # again under any of its other indices.

@@ -386,7 +386,7 @@ def test_fp16_overflow_in_one_module_is_forward_overflow_and_fp32_fixes_it():
             return model(x)
 
     c = classify(diagnose_step(model, forward, healthy_weights=healthy, compare="reproduced"), CauseHistory(), 100)
-    assert c.cause == Cause.FORWARD_OVERFLOW and c.modules == ["attn"]
+    assert c.cause == Cause.FORWARD_OVERFLOW and c.modules == ("attn",)
     assert "fp16 forward of attn" in c.evidence and "on the live weights" in c.evidence
     apply_fp32(model, c.modules)
     assert diagnose(model, forward)["first"] is None
@@ -396,7 +396,7 @@ def test_fp16_overflow_in_one_module_is_forward_overflow_and_fp32_fixes_it():
         model.proj.weight[0, 0] = math.nan  # read before the attention: the live re-run stops there
     report = diagnose_step(model, forward, healthy_weights=healthy)
     c = classify(report, CauseHistory(), 100)
-    assert c.cause == Cause.FORWARD_OVERFLOW and c.modules == ["attn"] and "on the healthy weights" in c.evidence
+    assert c.cause == Cause.FORWARD_OVERFLOW and c.modules == ("attn",) and "on the healthy weights" in c.evidence
 
 
 def test_structural_from_first_iterations_spent_remedies_and_back_to_back_data():
@@ -450,7 +450,7 @@ def test_merge_prefers_the_specific_evidence_and_unites_modules():
     o2 = Classification(Cause.FORWARD_OVERFLOW, "o2", ["b", "a"])
     assert merge([dyn, None, data]).cause == Cause.DATA
     m = merge([dyn, o1, data, o2])
-    assert m.cause == Cause.FORWARD_OVERFLOW and m.modules == ["a", "b"] and m.evidence == "o1"
+    assert m.cause == Cause.FORWARD_OVERFLOW and m.modules == ("a", "b") and m.evidence == "o1"
     assert m.ranks == {"0": "dynamics", "1": "forward_overflow", "2": "data", "3": "forward_overflow"}
     assert merge([o1, Classification(Cause.STRUCTURAL, "bug")]).cause == Cause.STRUCTURAL
     assert merge([None, None]).cause == Cause.UNKNOWN

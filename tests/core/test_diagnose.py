@@ -11,9 +11,9 @@ from torch import nn
 
 from petr_stability.core.config import GuardConfig
 from petr_stability.core.diagnosis import FP16_MAX, diagnose, diagnose_step, summarize
-from petr_stability.core.diagnosis.rng import capture_rng, restore_rng
+from petr_stability.core.diagnosis.sandbox import capture_rng, restore_rng
 from petr_stability.core.records import read_incidents
-from petr_stability.core.recovery import chain as guard_module
+from petr_stability.core.recovery import chain as evidence_module
 
 
 def no_hooks(model):
@@ -256,8 +256,8 @@ class DiagIO(FakeIO):
 
 def test_guard_records_the_diagnosis_and_healthy_steps_install_nothing(tmp_path, monkeypatch):
     calls = []
-    real = guard_module.diagnose_step
-    monkeypatch.setattr(guard_module, "diagnose_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = evidence_module.diagnose_step
+    monkeypatch.setattr(evidence_module, "diagnose_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     io = DiagIO(str(tmp_path))
     guard = make_guard(io)
     run(io, guard, 12)

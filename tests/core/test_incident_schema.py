@@ -16,6 +16,7 @@ from petr_stability.adapters.torch_loop import TorchLoopIO
 from petr_stability.core.config import GuardConfig
 from petr_stability.core.errors import NanGuardGaveUp
 from petr_stability.core.faults import arm_grad_fault, poison_weights
+from petr_stability.core.recovery.chain import OWN_VALUES
 from petr_stability.core.remedies import Change
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "incidents.md")
@@ -113,7 +114,7 @@ class LoopIO(TorchLoopIO):
         return None if batch is None else (lambda: {"loss": self.net(batch["x"])})
 
 
-Plant = Callable[[LoopIO], Optional[float]]  # plants a fault; may return the loss value the loop should report
+Plant = Callable[..., Optional[float]]  # plants a fault (given the io and the batch); may return the loss to report
 
 
 def run(work_dir: str, iters: int, plan: Dict[int, Plant], mode: str = "none", **guard: Any) -> LoopIO:
@@ -127,12 +128,12 @@ def run(work_dir: str, iters: int, plan: Dict[int, Plant], mode: str = "none", *
     data = [{"x": torch.randn(4, 2, 8), "index": torch.tensor([i])} for i in range(8)]
     step = 0
     while io.iter < iters:
-        batch = data[step % len(data)]
+        batch = dict(data[step % len(data)])
         io.epoch = step // len(data)
         step += 1
-        driver.before_iter(batch)
         plant = plan.pop(io.iter + 1, None)  # once: a rollback brings the number round again
-        reported = plant(io) if plant else None
+        reported = plant(io, batch) if plant else None
+        driver.before_iter(batch)
         loss = io.net(batch["x"])
         io.opt.zero_grad()
         loss.backward()
@@ -145,15 +146,20 @@ def run(work_dir: str, iters: int, plan: Dict[int, Plant], mode: str = "none", *
     return io
 
 
-def nan_weights(io: LoopIO) -> None:
+def nan_weights(io: LoopIO, batch: Dict[str, Any]) -> None:
     poison_weights(io.net, math.nan, "out.weight")
 
 
-def inf_grads(io: LoopIO) -> None:
+def inf_grads(io: LoopIO, batch: Dict[str, Any]) -> None:
     arm_grad_fault(io.net, math.inf, "out.bias")
 
 
-def nan_logged_loss(io: LoopIO) -> float:
+def nan_input(io: LoopIO, batch: Dict[str, Any]) -> None:
+    batch["x"] = batch["x"].clone()
+    batch["x"][0, 0, 0] = math.nan  # the sample's own values: the evidence that names it
+
+
+def nan_logged_loss(io: LoopIO, batch: Dict[str, Any]) -> float:
     return math.nan  # a loss term that is logged but not backpropagated
 
 
@@ -168,7 +174,7 @@ def produce(event: str, work_dir: str) -> List[Dict[str, Any]]:
     elif event == "divergence":
         run(work_dir, 9, {1: nan_weights, 7: nan_weights})  # from the start state, then from a snapshot
     elif event == "recurring_sample":
-        run(work_dir, 12, {3: inf_grads, 11: inf_grads})  # the sample of index 2, in epochs 0 and 1
+        run(work_dir, 12, {3: nan_input, 11: nan_input})  # the sample of index 2, in epochs 0 and 1
     elif event == "gave_up":
         with pytest.raises(NanGuardGaveUp):
             run(work_dir, 6, {4: nan_weights}, max_recoveries=0)
@@ -229,8 +235,16 @@ def test_iterations_follow_the_one_convention(records):
 def test_a_recurring_sample_is_named_once_by_its_index(records):
     skips = [r for r in records["recurring_sample"] if r["event"] == "skip"]
     assert [r["batch"] for r in skips] == [[{"index": 2}], [{"index": 2}]]
+    assert all(s["samples"] == [{"index": 2, "evidence": OWN_VALUES}] for s in skips)
     (rec,) = [r for r in records["recurring_sample"] if r["event"] == "recurring_sample"]
     assert rec["iteration"] == 11 and rec["batch"] == [{"index": 2}]
     assert rec["quarantined"] is False and rec["reason"].startswith("made steps go wrong in epochs [0, 1]")
     assert "no training loader" in rec["reason"]  # a loop without a loader
+
+
+def test_a_skipped_step_names_no_sample_without_evidence_about_it(records):
+    # A gradient made Inf by the model (not by the sample's own values), in a loop without a loader to replay rows
+    # from: the skip lists its batch, blames nobody, and nothing recurs however often it comes.
+    (skip,) = [r for r in records["skip"] if r["event"] == "skip"]
+    assert skip["batch"] == [{"index": 2}] and skip["samples"] == [] and skip["cause"] is None
 

@@ -141,17 +141,52 @@ def test_how_it_works_lists_the_files_one_divergence_really_goes_through():
     listed = documented((ROOT / "docs" / "how-it-works.md").read_text())
     for path in listed:
         assert (ROOT / path).is_file(), path
-    found, _ = trace_divergence()
+    found, hops = trace_divergence()
     # The driven loop's own GuardIO stands where a runner's io.py stands (the doc names those beside the hook).
     on_path = set(found) - {"petr_stability/adapters/torch_loop.py"}
     assert sorted(listed - on_path) == [], "listed, but no longer on the path"
     assert sorted(on_path - listed) == [], "on the path, but not listed"
+    assert len(found) <= 30 and hops <= 55, (len(found), hops)
+
+
+def test_a_remedy_that_does_not_act_changes_nothing_on_the_divergence_path():
+    # Issue 32: the path grew with every remedy (the registry called each one's state, summary and tags). A remedy
+    # registered in a test file that takes events this divergence never fires is never entered.
+    from divergence_path import trace_divergence
+
+    from petr_stability.core.remedies import Remedy, When, register_remedy
+    from petr_stability.core.remedies.registry import REMEDY_TYPES
+    from petr_stability.core.validate import Setting, is_number
+
+    class NeverActs(Remedy):
+        name = "never_acts"
+        events = (When.STALLED, When.SKIPPED)
+        settings = (Setting("never_acts_factor", 0.5, is_number(), "a setting of its own."),)
+        state = ("count",)
+        tags = ("count",)
+        idle = {"never_acts_count": 0}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.count = 0
+
+        def apply(self, ctx):
+            self.count += 1
+            return []
+
+    before = trace_divergence()
+    register_remedy(NeverActs)
+    try:
+        after = trace_divergence()
+    finally:
+        REMEDY_TYPES.pop(NeverActs.name)
+    assert (len(after[0]), after[1]) == (len(before[0]), before[1]) and after[0] == before[0]
 
 
 def _registry():
-    from petr_stability.core.remedies.registry import REGISTRY
+    from petr_stability.core.remedies.registry import remedy_types
 
-    return REGISTRY
+    return remedy_types()
 
 
 def test_every_remedy_has_its_file_its_tests_and_its_row_in_the_docs():
@@ -171,33 +206,46 @@ def test_every_remedy_has_its_file_its_tests_and_its_row_in_the_docs():
         assert re.search(rf"\b{remedy.__name__}\b", tests), f"no test names {remedy.__name__}"
         rows = re.findall(rf"^\| `{remedy.name}` \|(.*)\|(.*)\|(.*)\|$", docs, re.M)
         assert len(rows) == 1, f"docs/how-it-works.md has no row for {remedy.name!r}"
-        serves, when, state = (cell.strip() for cell in rows[0])
-        assert when == remedy.when.value, (remedy.name, when)
+        serves, events, state = (cell.strip() for cell in rows[0])
+        assert [e.strip() for e in events.split(",")] == [e.value for e in remedy.events], (remedy.name, events)
         for cause in remedy.causes:
             assert cause.value in serves, (remedy.name, serves)
-        assert (f"rung {remedy.rung}" in serves) == bool(remedy.rung), (remedy.name, serves)
         prefix = "policy." if remedy.section == "policy" else ""
-        assert sorted(re.findall(r"`([\w.]+)`", state)) == sorted(prefix + k for k in remedy.state_keys), remedy.name
+        assert sorted(re.findall(r"`([\w.]+)`", state)) == sorted(prefix + k for k in remedy.state), remedy.name
 
 
-def test_the_cause_table_and_the_ladder_have_no_list_of_their_own():
+def test_the_ladder_is_declared_once_and_nothing_else_lists_remedies():
     import dataclasses
 
     from petr_stability.core.causes import CauseRow
-    from petr_stability.core.recovery.policy import LADDER
-    from petr_stability.core.remedies.registry import REMEDIES
+    from petr_stability.core.remedies.registry import LADDER, REMEDIES
 
     assert [f.name for f in dataclasses.fields(CauseRow) if "remed" in f.name] == []
-    assert [name for rung in LADDER for name in rung.remedies] == [r.name for r in _registry() if r.rung]
+    docs = (ROOT / "docs" / "how-it-works.md").read_text()
+    for number, rung in enumerate(LADDER, 1):
+        assert all(re.search(rf"^\| `{n}` \| [^|]*\(rung {number}\)", docs, re.M) for n in rung.remedies)
     names = set(REMEDIES)
     lists = []
-    for path in (PACKAGE / "core" / "causes.py", PACKAGE / "core" / "recovery" / "policy.py",
-                 PACKAGE / "core" / "recovery" / "chain.py", PACKAGE / "core" / "config.py"):
+    for path in sorted(p for part in ("core", "adapters", "configfix") for p in (PACKAGE / part).rglob("*.py")):
+        if path.name == "registry.py":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 and all(
                     isinstance(e, ast.Constant) and e.value in names for e in node.elts):
                 lists.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert lists == []
+
+
+def test_the_chain_and_the_policy_never_name_a_remedy():
+    from petr_stability.core.remedies.registry import REMEDY_TYPES
+
+    named = []
+    for path in (PACKAGE / "core" / "recovery" / "chain.py", PACKAGE / "core" / "recovery" / "policy.py",
+                 PACKAGE / "core" / "guard.py", PACKAGE / "adapters" / "driver.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in REMEDY_TYPES:
+                named.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert named == []
 
 
 def _keys_named(tree: ast.AST) -> List[tuple]:
@@ -216,16 +264,13 @@ def _keys_named(tree: ast.AST) -> List[tuple]:
     return found
 
 
-def test_no_file_but_the_registry_names_a_remedys_state():
+def test_no_file_but_its_own_names_a_remedys_state():
     import inspect
 
-    owners = {key: pathlib.Path(inspect.getsourcefile(r)) for r in _registry() for key in r.state_keys}
-    registry = PACKAGE / "core" / "remedies" / "registry.py"
+    owners = {key: pathlib.Path(inspect.getsourcefile(r)) for r in _registry() for key in r.state}
     named = []
     # The machinery (the demo and the report read the summary and the records it writes: their public output).
     for path in sorted(p for part in ("core", "adapters", "configfix") for p in (PACKAGE / part).rglob("*.py")):
-        if path == registry:
-            continue
         for key, line in _keys_named(ast.parse(path.read_text())):
             if key in owners and owners[key] != path:
                 named.append(f"{path.relative_to(ROOT)}:{line} {key!r}")

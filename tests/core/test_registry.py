@@ -1,97 +1,149 @@
-"""The remedy registry: each remedy's apply, resume and state round trip against a plain-torch IO, and the lists
-(``remedies=``, the ladder, the cause table's remedies, the patched config's fields) read from it."""
+"""The remedies as vertical slices: each built-in remedy through the events it takes against a plain-torch IO, the
+generic state pass and its checkpoint layout, the lists read from the registered types (``remedies=``, the ladder,
+the cause table's remedies, the settings), and a remedy added in this one file through ``register_remedy``."""
 import math
 
+import pytest
 import torch
 from fake_io import FakeIO
 
 from petr_stability.core.causes import Cause, Classification
-from petr_stability.core.config import REMEDIES, GuardConfig
-from petr_stability.core.diagnosis.classify import CauseHistory
+from petr_stability.core.config import REMEDIES, GuardConfig, settings
+from petr_stability.core.recovery.policy import CausePolicy, Remedies
+from petr_stability.core.remedies import Change, ConfigEntry, Outcome, Remedy, When, register_remedy
 from petr_stability.core.remedies.adaptive_clip import AdaptiveClip
-from petr_stability.core.remedies.base import Context, When
-from petr_stability.core.remedies.change import Change
 from petr_stability.core.remedies.clip import ClipRemedy
 from petr_stability.core.remedies.dropout import DropoutRemedy
 from petr_stability.core.remedies.fp32 import Fp32Remedy
 from petr_stability.core.remedies.lr import LrBackoff
 from petr_stability.core.remedies.moments import MomentsReset
 from petr_stability.core.remedies.quarantine import Quarantine
-from petr_stability.core.remedies.registry import LADDER, REGISTRY, Remedies, config_fix_fields, serving
+from petr_stability.core.remedies.registry import LADDER, REMEDY_TYPES, serving
 from petr_stability.core.remedies.rollback import Rollback
 from petr_stability.core.remedies.scale import ScaleDynamic
 from petr_stability.core.remedies.temporal import TemporalReset
+from petr_stability.core.validate import Setting, is_number
 
 
-def _ctx(io, remedies=None, **fields):
-    return Context(io, history=CauseHistory(), remedies=remedies, **fields)
+def _fire(remedies, event, io, names=None, **fields):
+    return remedies.fire(event, remedies.context(io, event, **fields), names)
 
 
-def _round_trip(remedy, config):
-    again = type(remedy)(config)
-    again.load_state_dict(remedy.state_dict())
-    assert again.state_dict() == remedy.state_dict()
+def _round_trip(remedies, config):
+    again = Remedies(config)
+    again.load_state_dict(remedies.state_dict())
+    assert again.state_dict() == remedies.state_dict()
     return again
 
 
-def test_the_lists_are_read_from_the_registry():
+@pytest.fixture
+def registered():
+    """Registers remedies for one test and removes them afterwards (the registry is process-wide)."""
+    added = []
+
+    def add(cls):
+        added.append(cls.name)
+        return register_remedy(cls)
+
+    yield add
+    for name in added:
+        REMEDY_TYPES.pop(name, None)
+
+
+def test_the_lists_are_read_from_the_registered_types():
     assert REMEDIES == ("clip", "dropout", "rollback", "scale", "lr", "moments", "quarantine", "fp32", "temporal")
     assert [r.name for r in LADDER] == ["the known manual fix (transformer dropout 0, max_norm 1)",
                                         "learning rate backoff", "optimizer moments reset"]
     assert [r.remedies for r in LADDER] == [("clip", "dropout"), ("lr",), ("moments",)]
-    assert serving(Cause.DATA) == ("quarantine",) and serving(Cause.FORWARD_OVERFLOW) == ("fp32",)
-    assert serving(Cause.DYNAMICS) == serving(Cause.UNKNOWN) == ("clip", "dropout", "lr", "moments")
+    assert serving(Cause.DATA) == ("rollback", "quarantine") and serving(Cause.FORWARD_OVERFLOW) == ("rollback", "fp32")
+    assert serving(Cause.DYNAMICS) == ("clip", "dropout", "lr", "moments", "rollback")
     assert serving(Cause.STRUCTURAL) == ()
-    assert len({r.name for r in REGISTRY}) == len(REGISTRY)
+    names = [s.name for s in settings()]
+    assert len(names) == len(set(names)) and {"lr_backoff", "quarantine_fraction", "exploded_ratio"} <= set(names)
 
 
-def test_the_state_keeps_the_checkpoint_layout_and_fills_the_patched_config():
+def test_the_ladder_text_follows_the_settings():
+    assert CausePolicy(GuardConfig(lr_backoff=0.25)).ladder_text() == (
+        "the known manual fix (transformer dropout 0, max_norm 1), then learning rate x 0.25 (schedules too), then "
+        "optimizer moments reset")
+    custom = CausePolicy(GuardConfig(ladder=[["lr"], ["clip", "dropout"]]))
+    assert custom.ladder_text() == ("learning rate x 0.5 (schedules too), then the known manual fix (transformer "
+                                    "dropout 0, max_norm 1)")
+
+
+def test_the_state_keeps_the_checkpoint_layout_and_idle_remedies_are_never_called(monkeypatch):
     remedies = Remedies(GuardConfig())
     state = remedies.state_dict()
     assert set(state) == {"clip", "dropout_zeroed", "scale_made_dynamic", "policy"}
     assert set(state["policy"]) == {"lr_factor", "skip", "sightings", "refused_samples", "fp32"}
+    for cls in REMEDY_TYPES.values():  # an idle remedy is read from its declarations alone
+        monkeypatch.setattr(cls, "summary", lambda self, io: pytest.fail(f"{self.name}.summary called"))
     summary = remedies.summary(FakeIO())
-    assert config_fix_fields(summary) == {"max_norm": None, "zero_dropout": False, "dynamic_loss_scale": False,
-                                          "lr_factor": 1.0, "quarantine": [], "fp32_modules": {}}
+    assert summary == {"max_norm": None, "dropout_zeroed": False, "scale_made_dynamic": False, "lr_factor": 1.0,
+                       "quarantined": [], "refused": [], "bad_samples": [], "fp32_modules": {}}
+    assert remedies.config_entries(FakeIO()) == {}
 
 
-def test_clip_remedy_tightens_records_and_resumes():
+def test_clip_tightens_at_a_divergence_and_again_at_start_after_a_resume():
     config, io = GuardConfig(), FakeIO()
-    clip = ClipRemedy(config)
-    assert not clip.in_effect(_ctx(io, incident=1))
-    assert [c.as_dict() for c in clip.apply(_ctx(io, incident=1))] == [Change("clip.max_norm", 35.0, 1.0).as_dict()]
-    assert clip.in_effect(_ctx(io, incident=1)) and clip.summary(io) == {"max_norm": 1.0}
+    remedies = Remedies(config)
+    c = Classification(Cause.DYNAMICS, "fine on the healthy weights")
+    out = _fire(remedies, When.BEFORE_RESTORE, io, ["clip"], incident=1, cls=c)
+    assert [x.as_dict() for x in out.changes] == [Change("clip.max_norm", 35.0, 1.0).as_dict()]
+    clip = remedies.get("clip")
+    assert isinstance(clip, ClipRemedy) and clip.in_effect(remedies.context(io, When.BEFORE_RESTORE, incident=1))
+    assert remedies.summary(io)["max_norm"] == 1.0
+    assert remedies.config_entries(io)["clip"] == ConfigEntry(fix={"max_norm": 1.0})
     fresh = FakeIO()
-    _round_trip(clip, config).resume(fresh)
+    _fire(_round_trip(remedies, config), When.START, fresh)
     assert fresh.clip["max_norm"] == 1.0
 
 
-def test_dropout_remedy_zeroes_once_and_again_on_resume():
+def test_clip_follows_its_schedule():
+    clip = ClipRemedy(GuardConfig(max_norm_schedule=[10, 3, 1]))
+    assert [clip.target(i) for i in (1, 2, 3, 9)] == [10.0, 3.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match=r"max_norm_schedule must not be empty, got \[\]"):
+        GuardConfig(max_norm_schedule=[])
+
+
+def test_dropout_zeroes_once_and_again_on_resume():
     config, io = GuardConfig(dropout_scope="all"), FakeIO()
-    dropout = DropoutRemedy(config)
-    assert dropout.apply(_ctx(io)) and dropout.dropout_zeroed and dropout.in_effect(_ctx(io))
+    remedies = Remedies(config)
+    out = _fire(remedies, When.BEFORE_RESTORE, io, cls=Classification(Cause.DYNAMICS, "x"), names=["dropout"])
+    dropout = remedies.get("dropout")
+    assert isinstance(dropout, DropoutRemedy) and out.changes and dropout.dropout_zeroed
+    assert dropout.in_effect(remedies.context(io, When.BEFORE_RESTORE))
     fresh = FakeIO()
-    _round_trip(dropout, config).resume(fresh)
+    _fire(_round_trip(remedies, config), When.START, fresh)
     assert all(m.p == 0 for m in fresh.net.modules() if isinstance(m, torch.nn.Dropout))
 
 
-def test_lr_backoff_lasts_and_brings_an_older_state_back():
+def test_lr_backoff_lasts_and_a_restore_tag_brings_an_older_state_back():
     config, io = GuardConfig(), FakeIO()
-    lr = LrBackoff(config)
-    lr.apply(_ctx(io))
-    assert lr.lr_factor == 0.5 and io.opt.param_groups[0]["lr"] == 0.005 and lr.tags() == {"lr_factor": 0.5}
-    assert _round_trip(lr, config).lr_factor == 0.5
-    assert LrBackoff.factor_in({"policy": {"lr_factor": 0.25}}) == 0.25 and LrBackoff.factor_in(None) == 1.0
-    assert LrBackoff.rung_text(GuardConfig(lr_backoff=0.25)) == "learning rate x 0.25 (schedules too)"
+    remedies = Remedies(config)
+    tags_before = remedies.tags()
+    _fire(remedies, When.AFTER_RESTORE, io, cls=Classification(Cause.DYNAMICS, "x"), names=["lr"])
+    lr = remedies.get("lr")
+    assert isinstance(lr, LrBackoff) and lr.lr_factor == 0.5 and io.opt.param_groups[0]["lr"] == 0.005
+    assert remedies.tags() == {"lr.lr_factor": 0.5} and tags_before == {"lr.lr_factor": 1.0}
+    io.opt.param_groups[0]["lr"] = 0.01  # a restore put back the optimizer of a state from before the backoff
+    out = remedies.restored(io, tags_before)
+    assert io.opt.param_groups[0]["lr"] == 0.005 and out.changes
+    assert remedies.restored(io, remedies.tags()).changes == ()  # the same factor: never called
+    assert remedies.tags_in({"policy": {"lr_factor": 0.25}}) == {"lr.lr_factor": 0.25}
+    assert remedies.tags_in(None) == {"lr.lr_factor": 1.0}
+    assert _round_trip(remedies, config).get("lr").lr_factor == 0.5
 
 
-def test_moments_reset_clears_the_optimizer_state():
+def test_moments_named_before_the_restore_and_cleared_after():
     io = FakeIO()
     io.opt = torch.optim.Adam(io.net.parameters())
     io.train_step()
-    moments = MomentsReset(GuardConfig())
-    moments.prepare(_ctx(io))
-    assert moments.apply(_ctx(io)) and not any(io.opt.state.values())
+    remedies = Remedies(GuardConfig())
+    c = Classification(Cause.DYNAMICS, "x")
+    assert _fire(remedies, When.BEFORE_RESTORE, io, ["moments"], cls=c).changes == ()
+    assert isinstance(remedies.get("moments"), MomentsReset)
+    assert _fire(remedies, When.AFTER_RESTORE, io, ["moments"], cls=c).changes and not any(io.opt.state.values())
 
 
 def test_scale_dynamic_needs_a_static_scale_and_resumes():
@@ -105,38 +157,60 @@ def test_scale_dynamic_needs_a_static_scale_and_resumes():
             self.resumed = True
 
     config = GuardConfig()
-    scale = ScaleDynamic(config)
-    assert scale.apply(_ctx(FakeIO())) == [] and not scale.scale_made_dynamic  # nothing to make dynamic
-    assert scale.apply(_ctx(StaticIO())) and scale.when == When.STALLED
+    remedies = Remedies(config)
+    scale = remedies.get("scale")
+    assert isinstance(scale, ScaleDynamic)
+    assert _fire(remedies, When.STALLED, FakeIO()).changes == () and not scale.scale_made_dynamic
+    assert _fire(remedies, When.STALLED, StaticIO()).changes and scale.scale_made_dynamic
     io = StaticIO()
-    _round_trip(scale, config).resume(io)
+    _fire(_round_trip(remedies, config), When.START, io)
     assert io.resumed
-    assert ScaleDynamic(GuardConfig(remedies=["clip"])).apply(_ctx(StaticIO())) == []
+    off = Remedies(GuardConfig(remedies=["clip"]))
+    assert _fire(off, When.STALLED, StaticIO()).changes == ()
 
 
-def test_quarantine_takes_named_samples_and_recurring_ones():
+def test_quarantine_takes_samples_evidence_names_and_those_named_at_two_skipped_steps():
     config, io = GuardConfig(quarantine_fraction=1.0), FakeIO()
     io.dataset_size = lambda: 10
-    quarantine = Quarantine(config)
-    quarantine.skip_list(io)
+    remedies = Remedies(config)
+    quarantine = remedies.get("quarantine")
+    assert isinstance(quarantine, Quarantine)
+    exclude = _fire(remedies, When.ATTACH, io).exclude
+    assert exclude == [quarantine.skip_list] and quarantine.skip is None  # empty: idle, nothing saved
     c = Classification(Cause.DATA, "bad batch", signals={"iteration": 3})
-    assert quarantine.apply(_ctx(io, cls=c, ids=[{"index": 4}])) and list(quarantine.skip) == [4]
-    assert quarantine.recurring(_ctx(io, iteration=5), [{"index": 7}], epoch=0) is None
-    changes, samples, reason = quarantine.recurring(_ctx(io, iteration=9), [{"index": 7}], epoch=1)
-    assert changes and samples == [{"index": 7}] and reason == "made steps go wrong in epochs [0, 1]"
-    again = _round_trip(quarantine, config)
-    assert list(again.skip) == [4, 7]
-    assert again.summary(io) == {"quarantined": [4, 7], "refused": [], "bad_samples": [4, 7]}
+    out = _fire(remedies, When.BEFORE_RESTORE, io, cls=c, samples=[{"index": 4}], iteration=3)
+    assert out.changes and list(quarantine.skip_list) == [4] and out.signals["quarantined"] == [{"index": 4}]
+    assert _fire(remedies, When.SKIPPED, io, samples=[{"index": 7}], epoch=0).changes == ()
+    out = _fire(remedies, When.SKIPPED, io, samples=[{"index": 7}], epoch=1, iteration=9)
+    assert out.changes and out.signals["recurring"] == [{"index": 7}]
+    assert out.signals["reason"] == "made steps go wrong in epochs [0, 1]"
+    again = _round_trip(remedies, config)
+    _fire(again, When.ATTACH, io)
+    assert list(again.get("quarantine").skip_list) == [4, 7]
+    assert again.summary(io)["bad_samples"] == [4, 7]
+    assert again.config_entries(io)["quarantine"] == ConfigEntry(fix={"quarantine": [4, 7]})
 
 
-def test_fp32_remedy_runs_a_module_in_fp32_once_then_structural():
+def test_quarantine_with_nothing_named_quarantines_nothing():
+    config, io = GuardConfig(quarantine_fraction=1.0), FakeIO()
+    io.dataset_size = lambda: 10
+    remedies = Remedies(config)
+    _fire(remedies, When.ATTACH, io)
+    c = Classification(Cause.DATA, "the batch breaks the healthy weights too")
+    out = _fire(remedies, When.BEFORE_RESTORE, io, cls=c, samples=[])
+    assert out.changes == () and "nothing quarantined" in out.applied_to(c).evidence
+
+
+def test_fp32_runs_a_module_in_fp32_once_then_structural():
     config, io = GuardConfig(), FakeIO()
-    fp32 = Fp32Remedy(config)
+    remedies = Remedies(config)
     c = Classification(Cause.FORWARD_OVERFLOW, "overflow", modules=["out"])
-    assert fp32.apply(_ctx(io, cls=c)) and fp32.summary(io) == {"fp32_modules": {"out": "Linear"}}
-    again = Classification(Cause.FORWARD_OVERFLOW, "overflow", modules=["out"])
-    assert fp32.apply(_ctx(io, cls=again)) == [] and again.cause == Cause.STRUCTURAL
-    assert _round_trip(fp32, config).fp32 == ["out"]
+    out = _fire(remedies, When.BEFORE_RESTORE, io, cls=c)
+    assert out.changes and remedies.summary(io)["fp32_modules"] == {"out": "Linear"}
+    again = _fire(remedies, When.BEFORE_RESTORE, io, cls=c)
+    assert again.changes == () and again.applied_to(c).cause == Cause.STRUCTURAL
+    assert c.cause == Cause.FORWARD_OVERFLOW  # classes are immutable: the outcome gives a new one
+    assert isinstance(remedies.get("fp32"), Fp32Remedy) and _round_trip(remedies, config).get("fp32").fp32 == ["out"]
 
 
 def test_temporal_reset_and_rollback_switch():
@@ -148,9 +222,15 @@ def test_temporal_reset_and_rollback_switch():
 
     io = FakeIO()
     io.net.memory = Memory()
-    assert TemporalReset(GuardConfig()).after_rollback(_ctx(io)) == ["memory"] and Memory.calls == 1
-    assert TemporalReset(GuardConfig(remedies=["clip"])).after_rollback(_ctx(io)) == []
-    assert Rollback(GuardConfig()).enabled and not Rollback(GuardConfig(remedies=["clip"])).enabled
+    remedies = Remedies(GuardConfig())
+    assert isinstance(remedies.get("temporal"), TemporalReset)
+    assert _fire(remedies, When.AFTER_ROLLBACK, io).signals == {"temporal_reset": ["memory"]} and Memory.calls == 1
+    assert _fire(Remedies(GuardConfig(remedies=["clip"])), When.AFTER_ROLLBACK, io).signals == {}
+    c = Classification(Cause.DATA, "x")
+    assert isinstance(remedies.get("rollback"), Rollback)
+    assert CausePolicy(GuardConfig()).rolls_back(c, io)
+    assert not CausePolicy(GuardConfig(remedies=["clip"])).rolls_back(c, io)
+    assert not CausePolicy(GuardConfig()).rolls_back(Classification(Cause.STRUCTURAL, "x"), io)
 
 
 def test_adaptive_clip_follows_the_monitor_never_above_its_base():
@@ -165,9 +245,108 @@ def test_adaptive_clip_follows_the_monitor_never_above_its_base():
     remedies = Remedies(config)
     adaptive = remedies.get("adaptive_clip")
     assert isinstance(adaptive, AdaptiveClip) and adaptive.name not in REMEDIES
-    adaptive.resume(io)
-    adaptive.apply(_ctx(io, extra={"spikes": Ready()}))
+    _fire(remedies, When.START, io)
+    _fire(remedies, When.HEALTHY, io, extra={"spikes": Ready()})
     assert io.clip["max_norm"] == 2.0
-    remedies.get("clip").apply(_ctx(io, incident=1))
-    adaptive.after_incident(_ctx(io, remedies=remedies))
+    _fire(remedies, When.BEFORE_RESTORE, io, ["clip"], incident=1, cls=Classification(Cause.DYNAMICS, "x"))
+    _fire(remedies, When.HANDLED, io)
     assert adaptive.base == {"clip.max_norm": 1.0} and not math.isnan(io.clip["max_norm"])
+    assert _fire(Remedies(GuardConfig()), When.HEALTHY, FakeIO(), extra={"spikes": Ready()}).changes == ()
+
+
+# ---------------------------------------------------------------------- a remedy of one's own, in this file
+class Beta2(Remedy):
+    """Lowers Adam's beta2 on a dynamics incident, as the OPT-175B logbook did by hand (its own setting, state,
+    summary and patched-config entry; re-applied at start)."""
+
+    name = "beta2"
+    label = "Adam beta2 to {beta2_target:g}"
+    causes = (Cause.DYNAMICS, Cause.UNKNOWN)
+    events = (When.START, When.BEFORE_RESTORE)
+    settings = (Setting("beta2_target", 0.95, is_number(0.0, 1.0), "the beta2 a dynamics incident sets."),)
+    state = ("beta2",)
+    idle = {"beta2": None}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.beta2 = None
+
+    def match(self, ctx):
+        return ctx.event != When.START or self.beta2 is not None
+
+    def apply(self, ctx):
+        target = self.beta2 if ctx.event == When.START else self.config.beta2_target
+        changes = []
+        for i, opt in enumerate(ctx.io.optimizers()):
+            for j, group in enumerate(opt.param_groups):
+                if "betas" in group and group["betas"][1] != target:
+                    changes.append(Change(f"optimizer{i}.group{j}.betas[1]", group["betas"][1], target))
+                    group["betas"] = (group["betas"][0], target)
+        self.beta2 = target
+        return Outcome(tuple(changes), evidence=f"; Adam beta2 {target:g}")
+
+
+def test_a_remedy_registered_from_outside_acts_on_its_cause_saves_its_state_and_carries_it(registered):
+    registered(Beta2)
+    with pytest.raises(ValueError, match="beta2_target must be a number in \\(0, 1\\), got 2"):
+        GuardConfig(beta2_target=2)
+    config = GuardConfig(remedies=list(REMEDIES) + ["beta2"], ladder=[["clip", "dropout", "beta2"], ["lr"]])
+    io = FakeIO()
+    io.opt = torch.optim.Adam(io.net.parameters())
+    policy = CausePolicy(config)
+    c, changes = policy.before_restore(Classification(Cause.DYNAMICS, "fine on the healthy weights"), io, [], 1)
+    assert io.opt.param_groups[0]["betas"][1] == 0.95 and c.evidence.endswith("; Adam beta2 0.95")
+    assert {"optimizer0.group0.betas[1]", "clip.max_norm"} <= {x.target for x in changes}
+    assert "Adam beta2 to 0.95" in policy.action_text(Cause.DYNAMICS)
+    state = policy.state_dict()
+    assert state["remedies"] == {"beta2": {"beta2": 0.95}}
+    assert policy.summary(io)["beta2"] == 0.95
+    entry = policy.remedies.config_entries(io)["beta2"]
+    assert entry == ConfigEntry(carry={"beta2": 0.95})
+    # The next run: from its checkpoint state (resume), or from the patched config's carry=.
+    resumed, fresh = CausePolicy(config), FakeIO()
+    fresh.opt = torch.optim.Adam(fresh.net.parameters())
+    resumed.load_state_dict(state)
+    resumed.start(fresh)
+    assert fresh.opt.param_groups[0]["betas"][1] == 0.95
+    carried = CausePolicy(GuardConfig(remedies=list(REMEDIES) + ["beta2"], carry={"beta2": dict(entry.carry)}))
+    fresh = FakeIO()
+    fresh.opt = torch.optim.Adam(fresh.net.parameters())
+    changes = carried.start(fresh)
+    assert fresh.opt.param_groups[0]["betas"][1] == 0.95
+    assert [x.target for x in changes] == ["optimizer0.group0.betas[1]"]
+    assert any("carried from the earlier run" in m for _, m in fresh.logs)
+
+
+def test_a_remedy_that_is_not_switched_on_is_never_called(registered):
+    registered(Beta2)
+    io = FakeIO()
+    io.opt = torch.optim.Adam(io.net.parameters())
+    CausePolicy(GuardConfig()).before_restore(Classification(Cause.DYNAMICS, "x"), io, [], 1)
+    assert io.opt.param_groups[0]["betas"][1] == 0.999
+
+
+def test_register_remedy_names_what_it_refuses(registered):
+    with pytest.raises(TypeError, match="takes a Remedy subclass, got <class 'int'>"):
+        register_remedy(int)
+
+    class Nameless(Remedy):
+        pass
+
+    with pytest.raises(ValueError, match="Nameless.name must be an identifier"):
+        register_remedy(Nameless)
+
+    class Taken(Remedy):
+        name = "clip"
+
+    with pytest.raises(ValueError, match="a remedy named 'clip' is registered already"):
+        register_remedy(Taken)
+
+    class Clash(Remedy):
+        name = "clash"
+        settings = (Setting("lr_backoff", 0.5, is_number()),)
+
+    with pytest.raises(ValueError, match=r"Clash declares \['lr_backoff'\], taken by another remedy"):
+        register_remedy(Clash)
+    with pytest.raises(ValueError, match="remedies: unknown entry 'beta2'"):
+        GuardConfig(remedies=["beta2"])

@@ -4,7 +4,7 @@ import math
 import torch
 from torch import nn
 
-from petr_stability.core.diagnosis.rng import capture_rng
+from petr_stability.core.diagnosis.sandbox import capture_rng
 from petr_stability.core.diagnosis.window import poisoned_state, trace_incident, trace_window
 
 HUGE = 1e20  # finite in fp32; its square is not, so a batch's variance overflows and running_var turns Inf

@@ -119,7 +119,7 @@ def test_a_code_bug_breaking_every_forward_stops_as_structural_at_once(tmp_path,
     stop = records[-1]
     assert stop["iteration"] - (BUG_AFTER + 1) < 10
     assert stop["cause"]["cause"] == "structural" and stop["diagnosis"]["good_batch"]["reproduced"] is True
-    assert not guard_hook(r).guard.policy.skip
+    assert not guard_hook(r).guard.remedy("quarantine").skip_list
 
 
 @pytest.mark.parametrize("amp", [None, "dynamic"], ids=["fp32", "fp16-dynamic"])
@@ -131,7 +131,7 @@ def test_a_forward_broken_from_the_start_is_structural_at_its_first_incident(tmp
     (stop,) = decisions(wd)
     assert stop["event"] == "gave_up" and stop["cause"]["cause"] == "structural"
     assert stop["diagnosis"]["untrained_batches"] == stop["iteration"]
-    assert not guard_hook(r).guard.policy.skip
+    assert not guard_hook(r).guard.remedy("quarantine").skip_list
 
 
 @pytest.mark.parametrize("amp", [None, "dynamic", 512.0], ids=["fp32-skip", "fp16-dynamic", "fp16-static"])
@@ -145,7 +145,7 @@ def test_a_plain_dataset_sample_breaking_every_epoch_is_named_by_index_and_quara
     records = read_incidents(wd)
     recurring = [rec for rec in records if rec["event"] == "recurring_sample"]
     assert len(recurring) == 1 and recurring[0]["batch"] == [{"index": BAD}] and recurring[0]["quarantined"]
-    assert list(guard_hook(r).guard.policy.skip) == [BAD]
+    assert list(guard_hook(r).guard.remedy("quarantine").skip_list) == [BAD]
     # IterBasedRunner drew its first batch before any hook: from then on every batch is named by index.
     assert dataset.served.count(BAD) == 2 and dataset.served.count(0) == 4
     assert not decisions(wd)
@@ -160,7 +160,7 @@ def test_a_sample_the_batch_names_by_nothing_is_named_by_its_infos_token(tmp_pat
     records = read_incidents(wd)
     named = [rec.get("batch") or ((rec.get("cause") or {}).get("signals") or {}).get("quarantined") for rec in records]
     assert records and named == [[{"index": BAD, "token": f"nusc{BAD:04d}"}]] * len(records), records
-    assert list(guard_hook(r).guard.policy.skip) == [BAD]
+    assert list(guard_hook(r).guard.remedy("quarantine").skip_list) == [BAD]
 
 
 def test_a_list_batch_train_step_is_replayed_the_way_the_runner_calls_it(tmp_path):
@@ -203,7 +203,7 @@ def test_a_burst_of_bad_batches_carrying_ids_is_data_batch_by_batch(tmp_path, am
     r = build(wd, dataset, amp=amp, epochs=3, guard=dict(quarantine_fraction=0.25))
     run(r)
     assert r.epoch == 3 and params_finite(r)  # every epoch ran (rollbacks rewind the counter)
-    assert_burst_is_data(decisions(wd), list(guard_hook(r).guard.policy.skip), bad, dataset.samples)
+    assert_burst_is_data(decisions(wd), list(guard_hook(r).guard.remedy("quarantine").skip_list), bad, dataset.samples)
 
 
 def test_a_memory_the_live_weights_poisoned_never_makes_the_good_batch_look_bad(tmp_path):

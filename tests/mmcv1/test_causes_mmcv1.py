@@ -100,7 +100,7 @@ def test_sample_breaking_every_epoch_is_quarantined_once_and_named(tmp_path):
     assert rec["iteration"] == 5 and rec["cause"]["cause"] == "data"
     assert rec["diagnosis"]["on_healthy_weights"]["reproduced"] is True
     assert {"sample_idx": sample_token(BAD), "index": BAD} in rec["cause"]["signals"]["quarantined"]
-    assert BAD in guard_hook(r).guard.policy.skip
+    assert BAD in guard_hook(r).guard.remedy("quarantine").skip_list
     # Data is not a hyperparameter problem: nothing but the quarantine changed.
     assert [a["target"] for a in rec["actions"]] == ["quarantine.samples"]
     assert r.model.net.pts_bbox_head.layers[0].attentions[1].attn.dropout == 0.1
@@ -118,7 +118,7 @@ def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
     (rec,) = divergences(wd)
     assert rec["cause"]["cause"] == "forward_overflow" and rec["cause"]["modules"] == [CORE]
     assert rec["diagnosis"]["fp32_check"]["fixed_by"] == CORE
-    assert fp32_modules(r.model) == [CORE] and guard_hook(r).guard.policy.fp32 == [CORE]
+    assert fp32_modules(r.model) == [CORE] and guard_hook(r).guard.remedy("fp32").fp32 == [CORE]
     assert r.meta["nan_guard"]["policy"]["fp32"] == [CORE]  # persisted for a resume
     # The trained model: the core is finite (fp32) under the model's fp16 autocast, and overflows once released.
     core = r.model.get_submodule(CORE)

@@ -131,7 +131,7 @@ def test_sigkill_after_a_recovery_then_resume_keeps_remedies_and_counters(tmp_pa
     # MMCV 1.x resumes at meta["iter"], the saved iteration's own 0-based counter: iteration 8 runs again.
     assert first.seen == (KILL_ITER - 1, 1.0, [0.0] * len(first.seen[2]))  # remedies live before the first step
     g = guard_hook(r).guard
-    assert g.recoveries == 1 and g.policy.dropout_zeroed
+    assert g.recoveries == 1 and g.remedy("dropout").dropout_zeroed
     assert g.chain.iterations_lost == saved["iterations_lost"] == rec["iterations_lost"]
     assert g.skipped_steps >= saved["skipped_steps"] and g.chain.actions_tried[:len(saved["actions_tried"])] == saved[
         "actions_tried"]

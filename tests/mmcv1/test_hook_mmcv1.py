@@ -129,7 +129,7 @@ def test_static_scale_overflowing_every_step_becomes_dynamic(tmp_path):
     run(r)
     g = guard_hook(r).guard
     hook = opt_hook(r)
-    assert g.stalls == 1 and g.scale_made_dynamic and hook._scale_update_param is None
+    assert g.stalls == 1 and g.remedy("scale").scale_made_dynamic and hook._scale_update_param is None
     assert hook.loss_scaler.get_scale() < 2.0 ** 40
     stalled = [rec for rec in read_incidents(wd) if rec["event"] == "stalled"]
     assert len(stalled) == 1 and stalled[0]["actions"][0]["new"] == "dynamic"
@@ -183,7 +183,7 @@ def test_resume_keeps_remedies(tmp_path, runner):
     r2.resume(os.path.join(wd, "latest.pth"), map_location="cpu")
     run(r2)
     g = guard_hook(r2).guard
-    assert g.recoveries == 1 and g.policy.dropout_zeroed
+    assert g.recoveries == 1 and g.remedy("dropout").dropout_zeroed
     assert opt_hook(r2).grad_clip["max_norm"] == 1.0 and set(transformer_dropouts(r2)) == {0.0}
 
 
@@ -200,7 +200,7 @@ def test_iter_runner_resumed_from_another_directory_keeps_remedies(tmp_path):
     r2.resume(path, map_location="cpu")
     run(r2)
     g = guard_hook(r2).guard
-    assert g.recoveries == 1 and g.policy.dropout_zeroed
+    assert g.recoveries == 1 and g.remedy("dropout").dropout_zeroed
     assert opt_hook(r2).grad_clip["max_norm"] == 1.0 and set(transformer_dropouts(r2)) == {0.0}
 
 

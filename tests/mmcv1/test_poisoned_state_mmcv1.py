@@ -21,7 +21,7 @@ def test_a_sample_poisoning_batchnorm_statistics_is_traced_quarantined_and_nothi
     assert r.epoch == EPOCHS and params_finite(r)
     assert all(bool(b.isfinite().all()) for b in r.model.buffers())
     guard = guard_hook(r).guard
-    assert list(guard.policy.skip) == [BAD]
+    assert list(guard.remedy("quarantine").skip_list) == [BAD]
     (rec,) = decisions(wd)
     assert rec["event"] == "divergence" and rec["cause"]["cause"] == "data"
     assert "running_var" in rec["cause"]["evidence"] and "iter 13" in rec["cause"]["evidence"]

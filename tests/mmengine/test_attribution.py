@@ -128,7 +128,7 @@ def test_a_code_bug_breaking_every_forward_stops_as_structural_at_once(tmp_path,
     good = stop["diagnosis"]["good_batch"]
     assert good["reproduced"] is True and good["batch"] == f"the batch of iter {BUG_AFTER}"
     # Nothing was quarantined: a bug is not bad data.
-    assert not guard_hook(runner).guard.policy.skip
+    assert not guard_hook(runner).guard.remedy("quarantine").skip_list
 
 
 @pytest.mark.parametrize("ids", [True, False], ids=["ids", "no-ids"])
@@ -145,7 +145,7 @@ def test_a_forward_broken_from_the_start_is_structural_at_its_first_incident(tmp
     assert stop["event"] == "gave_up" and stop["cause"]["cause"] == "structural"
     assert stop["diagnosis"]["untrained_batches"] == stop["iteration"]
     assert stop["cause"]["signals"]["evidence_cause"] == "structural"
-    assert not guard_hook(runner).guard.policy.skip
+    assert not guard_hook(runner).guard.remedy("quarantine").skip_list
 
 
 def test_the_counterfactual_keeps_bad_data_data(tmp_path):
@@ -158,7 +158,7 @@ def test_the_counterfactual_keeps_bad_data_data(tmp_path):
     assert rec["cause"]["cause"] == "data" and "known to be good, trains fine" in rec["cause"]["evidence"]
     assert rec["diagnosis"]["good_batch"]["reproduced"] is False
     assert rec["cause"]["signals"]["quarantined"] == [{"index": BAD}]
-    assert list(guard_hook(runner).guard.policy.skip) == [BAD] and params_finite(runner)
+    assert list(guard_hook(runner).guard.remedy("quarantine").skip_list) == [BAD] and params_finite(runner)
 
 
 @pytest.mark.parametrize("amp", [None, "dynamic", 512.0], ids=["fp32-skip", "fp16-dynamic", "fp16-static"])
@@ -170,7 +170,7 @@ def test_a_plain_dataset_sample_breaking_every_epoch_is_named_by_index_and_quara
     records = read_incidents(wd)
     recurring = [r for r in records if r["event"] == "recurring_sample"]
     assert len(recurring) == 1 and recurring[0]["batch"] == [{"index": BAD}] and recurring[0]["quarantined"]
-    assert list(guard_hook(runner).guard.policy.skip) == [BAD]
+    assert list(guard_hook(runner).guard.remedy("quarantine").skip_list) == [BAD]
     served = runner.train_dataloader.dataset.served  # the runner's own copy of the dataset
     assert served.count(BAD) == 2 and served.count(0) == 4  # epochs 3 and 4 never served it again
     assert not decisions(wd)  # nothing else: no rollback, no hyperparameter change
@@ -195,7 +195,7 @@ def test_a_sample_whose_fp16_forward_breaks_is_no_ordinary_overflow(tmp_path, am
     assert len(skips) == 2 and all({"index": BAD} in r["batch"] and len(r["batch"]) == 2 for r in skips)
     recurring = [r for r in records if r["event"] == "recurring_sample"]
     assert len(recurring) == 1 and recurring[0]["batch"] == [{"index": BAD}] and recurring[0]["quarantined"]
-    assert list(guard_hook(runner).guard.policy.skip) == [BAD]
+    assert list(guard_hook(runner).guard.remedy("quarantine").skip_list) == [BAD]
     assert runner.train_dataloader.dataset.served.count(BAD) == 2
     assert not decisions(wd)
 
@@ -286,4 +286,5 @@ def test_a_burst_of_bad_batches_carrying_ids_is_data_batch_by_batch(tmp_path, am
     runner = build(wd, dataset, amp=amp, max_epochs=3, guard=dict(quarantine_fraction=0.25))
     runner.train()
     assert runner.epoch == 3 and params_finite(runner)  # every epoch ran (rollbacks rewind the counter)
-    assert_burst_is_data(decisions(wd), list(guard_hook(runner).guard.policy.skip), bad, dataset.samples)
+    quarantined = list(guard_hook(runner).guard.remedy("quarantine").skip_list)
+    assert_burst_is_data(decisions(wd), quarantined, bad, dataset.samples)

@@ -109,7 +109,7 @@ def test_sample_breaking_every_epoch_is_quarantined_once_and_named(tmp_path):
     # same batch breaks the healthy weights too.
     assert rec["diagnosis"]["on_healthy_weights"]["reproduced"] is True
     assert {"sample_idx": sample_token(BAD), "index": BAD} in rec["cause"]["signals"]["quarantined"]
-    assert BAD in guard_hook(runner).guard.policy.skip
+    assert BAD in guard_hook(runner).guard.remedy("quarantine").skip_list
     # Data is not a hyperparameter problem: nothing but the quarantine changed.
     assert [a["target"] for a in rec["actions"]] == ["quarantine.samples"]
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 35
@@ -131,7 +131,7 @@ def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
     check = rec["diagnosis"]["fp32_check"]
     assert check["module"] == CORE and check["fixed_by"] == CORE and check["max_abs"] < 65504
     assert fp32_modules(runner.model) == [CORE]
-    assert guard_hook(runner).guard.policy.fp32 == [CORE]
+    assert guard_hook(runner).guard.remedy("fp32").fp32 == [CORE]
     # Not the ladder: no hyperparameter changed.
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 35
     # The trained model: the core is finite (fp32) under fp16 autocast, and overflows once released.
@@ -237,7 +237,7 @@ def test_a_refused_quarantine_names_no_sample_as_quarantined(tmp_path):
     assert records and all(r["event"] == "divergence" for r in records)
     rec = records[0]
     assert "would pass the bound" in rec["cause"]["evidence"] and rec["cause"]["cause"] == "data"
-    assert len(guard_hook(runner).guard.policy.skip) == 0
+    assert len(guard_hook(runner).guard.remedy("quarantine").skip_list) == 0
     assert not rec["cause"]["signals"].get("quarantined") and rec["cause"]["signals"]["refused"]
     assert all(r["actions"] == [] for r in records)
 

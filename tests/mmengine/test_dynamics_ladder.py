@@ -67,7 +67,7 @@ def test_guarded_run_climbs_to_the_lr_rung_and_finishes(tmp_path):
     assert records[lr_step]["restored_from"] is not None
 
     guard = guard_hook(runner).guard
-    assert guard.policy.lr_factor == GUARD["lr_backoff"]
+    assert guard.remedy("lr").lr_factor == GUARD["lr_backoff"]
     # The schedule continued scaled: past the warm-up the lr is the backed-off peak.
     assert runner.optim_wrapper.optimizer.param_groups[0]["lr"] == pytest.approx(LR * GUARD["lr_backoff"])
     held = [i["held"]["rung"] for i in guard.policy.history.incidents if i.get("held")]

@@ -98,7 +98,7 @@ def test_sigkill_after_a_recovery_then_resume_keeps_remedies_and_counters(tmp_pa
     runner = build_runner(wd, amp="dynamic", max_iters=20, guard=GUARD, model_kwargs=SMALL, resume=True)
     runner.train()
     g = guard_hook(runner).guard
-    assert g.recoveries == 1 and g.policy.dropout_zeroed
+    assert g.recoveries == 1 and g.remedy("dropout").dropout_zeroed
     assert g.chain.iterations_lost == read_incidents(wd)[0]["iterations_lost"]
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
     head = runner.model.net.pts_bbox_head

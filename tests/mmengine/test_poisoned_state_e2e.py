@@ -27,7 +27,7 @@ def test_a_sample_poisoning_batchnorm_statistics_is_traced_quarantined_and_nothi
     model = runner.model
     assert all(bool(b.isfinite().all()) for b in model.buffers())
     guard = guard_hook(runner).guard
-    assert list(guard.policy.skip) == [BAD]  # the culprit alone: no good sample quarantined
+    assert list(guard.remedy("quarantine").skip_list) == [BAD]  # the culprit alone: no good sample quarantined
     (rec,) = decisions(wd)
     assert rec["event"] == "divergence" and rec["cause"]["cause"] == "data"
     evidence = rec["cause"]["evidence"]

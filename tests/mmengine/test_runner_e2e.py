@@ -163,7 +163,7 @@ def test_resume_keeps_remedies_and_counters(tmp_path):
     r2 = build_runner(wd, amp="dynamic", max_iters=30, guard=GUARD, model_kwargs=SMALL, resume=True)
     r2.train()
     g = guard_hook(r2).guard
-    assert g.recoveries == 1 and g.policy.dropout_zeroed
+    assert g.recoveries == 1 and g.remedy("dropout").dropout_zeroed
     assert r2.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
     assert set(dropouts(r2)) == {0.0}
     assert r2.iter == 30

@@ -7,7 +7,7 @@ on a healthy snapshot's, same RNG and autocast, plus the fp32 re-run of the modu
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..causes import PRIORITY, Cause, Classification
-from .values import FP16_MAX
+from .recorder import FP16_MAX
 from .window import window_evidence
 
 __all__ = ["CauseHistory", "classify", "recurring", "merge", "batch_broke", "data_by_evidence", "from_inputs"]

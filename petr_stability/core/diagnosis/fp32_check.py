@@ -8,8 +8,8 @@ from torch import nn
 
 from ..flags import HAS_FORWARD_PRE_HOOK_KWARGS
 from ..remedies.fp32 import force_fp32, release_fp32
-from .rng import capture_rng, rank_local, restore_rng
-from .values import FP16_MAX, max_abs, max_abs_in_fp16_reach, num
+from .recorder import FP16_MAX, max_abs, max_abs_in_fp16_reach, num
+from .sandbox import capture_rng, rank_local, restore_rng
 
 __all__ = ["fp32_check"]
 

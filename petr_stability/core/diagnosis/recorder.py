@@ -1,15 +1,44 @@
-"""The replay's hooks: every module's inputs, outputs and gradients checked in execution order, read in one go."""
+"""The replay's hooks: every module's inputs, outputs and gradients checked in execution order, read in one go; and the
+small value helpers every replay shares (fp16's range, max |x| over nested tensors, JSON-safe numbers)."""
 import math
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..flags import HAS_FORWARD_PRE_HOOK_KWARGS
-from .values import FP16_MAX, num, tensors
+from ..fp16 import FP16_MAX, reaches_fp16
+from ..tree import iter_tensors
 
-__all__ = ["EXPLAIN", "Check", "Recorder", "largest", "nonfinite_params"]
+__all__ = ["FP16_MAX", "tensors", "max_abs", "max_abs_in_fp16_reach", "num", "EXPLAIN", "Check", "Recorder", "largest",
+           "nonfinite_params"]
+
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The floating tensors inside ``obj`` that hold values (the core's one walker; empty ones have no max)."""
+    return (t for t in iter_tensors(obj) if t.numel())
+
+
+def max_abs(obj: Any) -> float:
+    """max |x| over every floating tensor in ``obj`` (NaN when any is NaN); one host read."""
+    values = [t.detach().abs().amax().float().cpu() for t in tensors(obj)]
+    return float(torch.stack(values).max()) if values else 0.0
+
+
+def max_abs_in_fp16_reach(obj: Any) -> float:
+    """:func:`max_abs` over the tensors fp16 code can see (:func:`~..fp16.reaches_fp16`: not float64), and NaN when
+    any tensor at all holds NaN/Inf: what decides whether inputs are "within fp16 range"."""
+    values = list(tensors(obj))
+    if any(not bool(torch.isfinite(t).all()) for t in values):
+        return math.nan
+    reach = [t.detach().abs().amax().float().cpu() for t in values if reaches_fp16(t)]
+    return float(torch.stack(reach).max()) if reach else 0.0
+
+
+def num(value: float) -> Any:
+    """``value`` as JSON can hold it: Inf/NaN as strings, as the incident log writes them elsewhere."""
+    return value if math.isfinite(value) else str(value)
+
 
 EXPLAIN = {
     "input": "arrived non-finite at its input: made outside any module (the batch, or functional code in the "

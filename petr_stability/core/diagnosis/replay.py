@@ -1,10 +1,10 @@
 """Names the first module that produced a NaN/Inf: one re-run of the failing batch with module hooks, off the hot path.
 
-Nothing here runs on a healthy step except :func:`~.rng.capture_rng` (two host-side copies of RNG state). On a
+Nothing here runs on a healthy step except :func:`~.sandbox.capture_rng` (two host-side copies of RNG state). On a
 confirmed divergence :func:`diagnose` installs forward hooks on every module and gradient hooks on their inputs,
 outputs and parameters (:class:`~.recorder.Recorder`), re-runs the failing batch's forward (and, when that is finite,
 its backward), finds the first non-finite value in execution order, then removes every hook and puts the model back
-as it found it (:class:`~.model_state.ModelState`). When that value is a module's fp16 output from finite inputs, a
+as it found it (:class:`~.sandbox.ModelState`). When that value is a module's fp16 output from finite inputs, a
 second, shorter re-run records that module's inputs and runs it alone in fp32 (:func:`~.fp32_check.fp32_check`):
 the evidence that tells an fp16 forward overflow from everything else.
 """
@@ -16,10 +16,8 @@ import torch
 from torch import nn
 
 from .fp32_check import fp32_check as run_fp32_check
-from .model_state import ModelState
-from .recorder import EXPLAIN, Check, Recorder, largest, nonfinite_params
-from .rng import capture_rng, rank_local, restore_rng
-from .values import FP16_MAX, num, unwrap
+from .recorder import EXPLAIN, FP16_MAX, Check, Recorder, largest, nonfinite_params, num
+from .sandbox import ModelState, capture_rng, rank_local, restore_rng, unwrap
 
 __all__ = ["FP16_MAX", "COMPARE", "total_loss", "diagnose", "diagnose_step", "summarize"]
 
@@ -125,7 +123,7 @@ def diagnose(model: nn.Module, forward: Callable[[], Any], rng_state: Optional[M
         model: the unwrapped model (a DDP forward on one rank alone would wait for the others).
         forward: re-runs the failing batch's forward on ``model`` inside the training autocast context and
             returns the loss tensor or loss dict.
-        rng_state: RNG state from :func:`~.rng.capture_rng` before the failing step, so dropout draws the same
+        rng_state: RNG state from :func:`~.sandbox.capture_rng` before the failing step, so dropout draws the same
             masks. Defaults to None (the current state).
         loss_scale: multiplies the loss before the backward, as the loss scaler did. Defaults to 1.0.
         weights: a state dict to run on instead of the live weights (a healthy snapshot when the live ones are

@@ -12,7 +12,7 @@ constant values alone has no variance to overflow, beside ordinary ones it does)
 when it poisons that state so, and the rows left must not (else the narrowing is ``ambiguous`` and the whole batch
 is returned with that flag; where the next batch poisons the same state too, ``every_batch``, nobody is blamed).
 The model, its modes, gradients, buffers, plain attributes and the RNG are put back exactly afterwards
-(:class:`~.model_state.ModelState`).
+(:class:`~.sandbox.ModelState`).
 
 :func:`trace_incident` is the guard's call: it works out the window (the indices :class:`~..batches.BatchWatch`
 recorded per iteration) and how to rebuild a batch from indices (the training loader's own ``collate_fn`` over its
@@ -26,12 +26,12 @@ from torch import nn
 
 from ..samples import named_samples
 from ..watch.health import nonfinite_attributes
-from .model_state import ModelState
 from .recorder import nonfinite_params
-from .rng import capture_rng, rank_local, restore_rng
-from .values import unwrap
+from .replay import total_loss
+from .sandbox import ModelState, capture_rng, rank_local, restore_rng, unwrap
 
-__all__ = ["poisoned_state", "trace_window", "trace_incident", "window_samples", "window_evidence"]
+__all__ = ["poisoned_state", "trace_window", "trace_incident", "isolate_rows", "rebuilder", "window_samples",
+           "window_evidence"]
 
 #: How many iterations back a window may reach (the newest confirmed snapshot is normally a few hundred back).
 MAX_WINDOW = 2048
@@ -47,11 +47,13 @@ def poisoned_state(model: nn.Module) -> List[str]:
 
 
 class _Replayer:
-    """Runs one batch's forward (train mode, no grad, rank-local) and reads whether it poisoned the state."""
+    """Runs one batch (train mode, rank-local) and reads what went non-finite: the state a forward poisoned
+    (``test='poisons'``: no grad, no step), or the loss and gradients a forward and backward produced
+    (``test='breaks'``)."""
 
     def __init__(self, model: nn.Module, rebuild: Callable[[Sequence[int]], Any],
-                 forward_for: Callable[[Any], Optional[Callable[[], Any]]]) -> None:
-        self.model, self.rebuild, self.forward_for = model, rebuild, forward_for
+                 forward_for: Callable[[Any], Optional[Callable[[], Any]]], test: str = "poisons") -> None:
+        self.model, self.rebuild, self.forward_for, self.test = model, rebuild, forward_for, test
         self.forwards = 0
 
     def poisons(self, indices: Sequence[int]) -> List[str]:
@@ -60,9 +62,25 @@ class _Replayer:
             raise RuntimeError("the adapter cannot re-run a batch")
         self.model.train()
         self.forwards += 1
+        if self.test == "breaks":
+            return self._breaks(forward)
         with torch.no_grad(), rank_local():
             forward()
         return poisoned_state(self.model)
+
+    def _breaks(self, forward: Callable[[], Any]) -> List[str]:
+        for p in self.model.parameters():
+            p.grad = None
+        with rank_local():
+            loss = total_loss(forward())
+            if loss is None:
+                raise RuntimeError("the re-run gives no loss")
+            if not bool(torch.isfinite(loss.detach()).all()):
+                return ["loss"]
+            if loss.requires_grad:
+                loss.backward()
+        return [n for n, p in self.model.named_parameters()
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())][:4]
 
 
 def _try(rep: _Replayer, indices: Sequence[int]) -> Tuple[Optional[bool], List[str]]:
@@ -215,15 +233,75 @@ def trace_incident(model: nn.Module, loader: Any, state: Optional[Mapping[str, t
     if not bad:
         return None
     window = [(int(it), idx) for it, idx in served if since < it][-MAX_WINDOW:]
+    report = trace_window(model, state, window, rebuilder(loader), forward_for, reset)
+    report["live_poisoned"] = bad[:8]
+    report["since"] = int(since)
+    return report
+
+
+def rebuilder(loader: Any) -> Callable[[Sequence[int]], Any]:
+    """A batch for a list of dataset indices, as the training loader collates it (its ``dataset`` and
+    ``collate_fn``)."""
     collate = getattr(loader, "collate_fn", None) or (lambda samples: samples)
     dataset = loader.dataset
 
     def rebuild(indices: Sequence[int]) -> Any:
         return collate([dataset[i] for i in indices])
 
-    report = trace_window(model, state, window, rebuild, forward_for, reset)
-    report["live_poisoned"] = bad[:8]
-    report["since"] = int(since)
+    return rebuild
+
+
+def isolate_rows(model: nn.Module, state: Mapping[str, torch.Tensor], indices: Sequence[int],
+                 rebuild: Callable[[Sequence[int]], Any], forward_for: Callable[[Any], Optional[Callable[[], Any]]],
+                 clean: Optional[Sequence[int]] = None, reset: Optional[Callable[[nn.Module], Any]] = None
+                 ) -> Dict[str, Any]:
+    """The samples of a batch that break the healthy state by themselves: the evidence that names a sample of a batch
+    that broke (never having been in it).
+
+    From ``state`` (the healthy snapshot's model state), each row is re-run, forward and backward, rank-local, beside
+    ``clean`` samples where those are shown not to break it there (the batch known to be good), else alone; a row is
+    blamed when it breaks (a non-finite loss or gradient) and the rows left do not. Every row breaking with no sample
+    shown clean is ``ambiguous``: nobody is blamed (a state that breaks every batch is no evidence about one sample).
+    The model and the RNG are put back exactly afterwards.
+
+    Args:
+        model: the unwrapped model.
+        state: the healthy state dict (buffers included).
+        indices: the batch's dataset indices, one per row.
+        rebuild: the batch for a list of indices (:func:`rebuilder`).
+        forward_for: as for :func:`trace_window`.
+        clean: indices of samples expected to train fine there (the last healthy iteration's). Defaults to None.
+        reset: as for :func:`trace_window`. Defaults to None.
+
+    Returns:
+        A JSON-ready report: ``blamed`` (indices), ``rows``, ``ambiguous`` with ``why``, ``row_evidence``,
+        ``reference``, ``forwards``, ``seconds``; ``error`` where the re-run failed (nobody blamed then).
+    """
+    t0 = time.perf_counter()
+    model = unwrap(model)
+    saved, rng = ModelState(model, params=True), capture_rng()
+    rep = _Replayer(model, rebuild, forward_for, test="breaks")
+    report: Dict[str, Any] = {"blamed": [], "rows": [], "ambiguous": False}
+    try:
+        model.load_state_dict(dict(state), strict=False)
+        if reset is not None:
+            reset(model)
+        before = ModelState(model)
+        narrowed = _narrow(rep, before, list(indices), clean, None)
+        if narrowed["rows"] and not narrowed["ambiguous"] and narrowed["reference"] is None and \
+                len(narrowed["rows"]) == len(indices) > 1:
+            narrowed.update(ambiguous=True, why="every sample breaks the healthy state alone and none was shown "
+                                                "to train fine there")
+        if narrowed["ambiguous"]:
+            narrowed["rows"] = []
+        report.update(narrowed, blamed=[int(indices[r]) for r in narrowed["rows"]])
+    except Exception as exc:  # evidence only: a failed re-run blames nobody
+        report.update(blamed=[], rows=[], error=f"{type(exc).__name__}: {exc}")
+    finally:
+        saved.restore()
+        restore_rng(rng)
+    report["forwards"] = rep.forwards
+    report["seconds"] = round(time.perf_counter() - t0, 4)
     return report
 
 

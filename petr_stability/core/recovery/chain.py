@@ -1,17 +1,22 @@
-"""Recovery from a confirmed divergence, as one small state machine: diagnose, classify, agree, act, restore, record.
+"""Every incident, as one small state machine: diagnose, classify, agree, act, restore, record.
 
-Every incident walks :data:`TRANSITIONS` from :attr:`Step.DIAGNOSE`; any step may end the run instead
+Three entry points (:class:`Entry`) walk the same :data:`TRANSITIONS` from :attr:`Step.DIAGNOSE`: a confirmed
+divergence, a stalled static loss scale, and a step that went wrong without diverging (an fp16 overflow, a skipped
+step, a non-finite loss). Each gathers this rank's evidence (a sample is blamed only by evidence about that sample,
+:class:`Evidence`), agrees with the other ranks in one collective, fires its events at the remedies through the
+policy (which never names one), and writes records of one schema. Any step may end the run instead
 (:attr:`Step.GIVE_UP`: the record, then the error). Only :attr:`Step.AGREE` and :attr:`Step.RESTORE` talk to the
-other ranks, each once, so every rank takes the same path; the rest is decided locally.
+other ranks, each at most once, so every rank takes the same path; the rest is decided locally.
 
-Incidents form a *chain* until a recovery holds (a state taken after the latest recovery is confirmed): within a
+Divergences form a *chain* until a recovery holds (a state taken after the latest recovery is confirmed): within a
 chain each restore point is used at most once and the dynamics ladder climbs one rung per incident; when it holds,
 the chain closes (:meth:`IncidentChain.close_if_held`) and everything may be used again.
 
-The chain calls nothing back: :meth:`IncidentChain.run` returns the incident with its record (and, when the run must
-stop, the error to raise once the record is written).
+The chain calls nothing back: :meth:`IncidentChain.run` returns the incident with its records (and, when the run
+must stop, the error to raise once the records are written).
 """
 import enum
+import functools
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -22,47 +27,73 @@ from ..batches import BatchWatch
 from ..causes import Cause, Classification, row
 from ..config import GuardConfig
 from ..diagnosis import batch_broke, classify, diagnose_step, from_inputs, merge, recurring, summarize
-from ..diagnosis.window import trace_incident, window_samples
+from ..diagnosis.window import isolate_rows, rebuilder, trace_incident, window_samples
 from ..errors import BadDataError, NanGuardGaveUp, NoHealthyStateError, StructuralDivergence
 from ..port import GuardIO, Payload
 from ..records import Event, step_record
-from ..remedies import Change
-from ..remedies.quarantine import bad_data_advice
-from ..watch.detector import Decision, StepSignals
+from ..remedies.base import Change, When
+from ..remedies.quarantine import bad_data_advice, short_samples
+from ..watch.detector import Decision, StepSignals, Verdict
 from .policy import CausePolicy
 from .restore import RESTORE_ORDER, RestorePoints, as_tensors
 
-__all__ = ["Step", "TRANSITIONS", "Incident", "IncidentChain"]
+__all__ = ["Entry", "Step", "TRANSITIONS", "Incident", "Agreement", "OWN_VALUES", "ISOLATED", "TRACED", "Evidence",
+           "IncidentChain"]
+
+
+class Entry(str, enum.Enum):
+    """How an incident enters the chain."""
+
+    DIVERGENCE = "divergence"  #: a confirmed divergence: replay, classify, the class's remedies, roll back
+    STALL = "stall"  #: a static loss scale skipping every step: the stall's remedies (none: a divergence)
+    SKIP = "skip"  #: a step that went wrong without diverging: recorded, its samples named by evidence only
 
 
 class Step(str, enum.Enum):
     """Where an incident stands."""
 
-    DIAGNOSE = "diagnose"  #: a rank whose step broke replays its batch (rank-local, on live and healthy weights)
-    CLASSIFY = "classify"  #: that rank's class, from its replay
-    AGREE = "agree"  #: one collective: every rank's class, its batch's samples, its health reading
-    ACT = "act"  #: the policy's remedies for the agreed class (which may turn out structural)
-    RESTORE = "restore"  #: the next restore point of this run, or none (bad data met a finite state)
-    RECORD = "record"  #: the counters, the log lines, the incident record
+    DIAGNOSE = "diagnose"  #: this rank's evidence (rank-local: the replay, the samples it names)
+    CLASSIFY = "classify"  #: that rank's class, from its evidence
+    AGREE = "agree"  #: one collective: every rank's class, the samples evidence names, its health reading
+    ACT = "act"  #: the events the entry fires at the remedies (which may turn the class structural)
+    RESTORE = "restore"  #: the next restore point of this run, or none (bad data met a finite state; not a divergence)
+    RECORD = "record"  #: the counters, the log lines, the records
     GIVE_UP = "give_up"  #: the record and the guard's error, for the caller to write and raise
     DONE = "done"  #: training goes on
 
 
-#: Every step an incident may take next.
+#: Every step an incident may take next (a stall no remedy answers goes round again, as a divergence).
 TRANSITIONS: Dict[Step, tuple] = {
     Step.DIAGNOSE: (Step.CLASSIFY,),
     Step.CLASSIFY: (Step.AGREE,),
     Step.AGREE: (Step.ACT, Step.GIVE_UP),
-    Step.ACT: (Step.RESTORE, Step.GIVE_UP),
+    Step.ACT: (Step.RESTORE, Step.GIVE_UP, Step.DIAGNOSE),
     Step.RESTORE: (Step.RECORD, Step.GIVE_UP),
     Step.RECORD: (Step.DONE,),
     Step.GIVE_UP: (Step.DONE,),
 }
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed on, in :attr:`Step.AGREE`: plain immutable data.
+
+    Attributes:
+        cls: the agreed class (None for a skipped step or a stall no rank classified).
+        samples: the samples evidence named on every rank (each with its ``rank`` where there is more than one).
+        listed: the samples of the batches that broke, on the ranks where they broke (a skipped step's record).
+        state_ok: every rank that checked found its state finite (DDP replicas hold the same weights).
+    """
+
+    cls: Optional[Classification]
+    samples: tuple = ()
+    listed: tuple = ()
+    state_ok: bool = False
+
+
 @dataclass
 class Incident:
-    """One confirmed divergence as it moves through the steps (what each step leaves for the next)."""
+    """One incident as it moves through the steps (what each step leaves for the next)."""
 
     signals: StepSignals
     decision: Decision
@@ -72,18 +103,166 @@ class Incident:
     batch: Any = None
     rng: Optional[Dict[str, Any]] = None
     attributes: List[str] = field(default_factory=list)
+    entry: Entry = Entry.DIVERGENCE
+    kind: str = ""  #: a skipped step's: ``'overflow'``, ``'skip'`` or ``'nonfinite_loss'``
+    data_epoch: int = 0  #: the pass over the data the iteration belongs to (a sample's sightings count passes)
     diagnosis: Optional[Dict[str, Any]] = None
     local: Optional[Classification] = None
+    mine: Dict[str, Any] = field(default_factory=dict)  #: this rank's part of the agreement
+    agreed: Optional[Agreement] = None
     cls: Optional[Classification] = None
-    ids: List[Dict[str, Any]] = field(default_factory=list)
-    state_ok: bool = False
     changes: List[Change] = field(default_factory=list)
     restored: Optional[Payload] = None
     temporal: List[str] = field(default_factory=list)
     lost: int = 0
     stop: Optional[tuple] = None  # (error type, why) once the run must end
-    record: Optional[Dict[str, Any]] = None  #: the incident record, once written out by RECORD or GIVE_UP
-    error: Optional[Exception] = None  #: the error to raise after writing the record (GIVE_UP)
+    records: List[Dict[str, Any]] = field(default_factory=list)  #: written out by RECORD or GIVE_UP, in order
+    error: Optional[Exception] = None  #: the error to raise after writing the records (GIVE_UP)
+
+    @property
+    def record(self) -> Optional[Dict[str, Any]]:
+        """The incident's main record (its last)."""
+        return self.records[-1] if self.records else None
+
+
+#: How a record says what named a sample.
+OWN_VALUES = "its own values are non-finite (or past fp16's range under fp16)"
+ISOLATED = "replayed from the healthy state, it breaks it beside samples shown clean; the rest of its batch does not"
+TRACED = "replayed from the healthy snapshot, it poisons state kept with finite weights (the window trace)"
+
+
+def _tagged(samples: List[Dict[str, Any]], why: str) -> List[Dict[str, Any]]:
+    return [dict(s, evidence=why) for s in samples]
+
+
+class Evidence:
+    """This rank's replays and the samples they name.
+
+    The one rule: a sample is blamed only by evidence about that sample: its own values (non-finite, or past fp16's
+    range under fp16: :meth:`~..batches.BatchWatch.flagged`), a replay from the healthy state that isolates it
+    (:func:`~..diagnosis.window.isolate_rows`: it breaks that state beside samples shown clean while the rest of its
+    batch does not), or the window trace (:func:`~..diagnosis.window.trace_incident`: it poisoned state kept with
+    finite weights). Having been in a batch that broke, overflowed or was skipped is no evidence about a sample.
+    Every sample named carries ``evidence`` saying which of the three named it.
+
+    Args:
+        io: the runner adapter.
+        points: the run's restore points (the healthy state replays start from).
+        batches: this rank's batches.
+        fresh_state: starts the temporal state afresh for a replay on healthy weights, as a rollback would (the
+            remedies that take :attr:`~..remedies.base.When.AFTER_ROLLBACK`); returns the modules reset.
+    """
+
+    def __init__(self, io: GuardIO, points: RestorePoints, batches: BatchWatch,
+                 fresh_state: Callable[[], List[str]]) -> None:
+        self.io, self.points, self.batches, self.fresh_state = io, points, batches, fresh_state
+
+    def _healthy(self) -> tuple:
+        snap = self.points.healthy()
+        weights = as_tensors(snap.ready_payload()) if snap is not None else None
+        where = ("the run's start state" if snap is self.points.start else f"snapshot of iter {snap.iteration}"
+                 if snap is not None else "")
+        return snap, weights, where
+
+    # ------------------------------------------------------------------ a divergence's replay
+    def replay(self, iteration: int, signals: Any, batch: Any, rng: Any, min_loss_scale: float) -> Optional[Dict]:
+        """The failing batch re-run on the live and the healthy weights (and the batch known to be good), the window
+        trace where the batch does not break, and the rows isolated where it does; None where it cannot re-run."""
+        forward = self.io.rerun_forward(batch)
+        if forward is None:
+            return None
+        try:
+            report = self._replay(iteration, signals, forward, rng, min_loss_scale)
+        except Exception as exc:  # the diagnosis must never stand between a divergence and its recovery
+            report = {"error": f"{type(exc).__name__}: {exc}", "traceback": _trace(exc)}
+        report["rank"] = distributed.get_rank()
+        self.io.log(f"NanGuard: diagnosis of iter {iteration} (rank {report['rank']}): {summarize(report)}",
+                    "warning")
+        return report
+
+    def _replay(self, iteration: int, signals: Any, forward: Callable[[], Any], rng: Any,
+                min_loss_scale: float) -> Dict[str, Any]:
+        snap, weights, where = self._healthy()
+        scale = signals.loss_scale if signals.loss_scale is not None else self.io.loss_scale()
+        good = self.batches
+        good_forward = self.io.rerun_forward(good.good_batch) if good.good_batch is not None else None
+        report = diagnose_step(self.io.model(), forward, rng_state=rng, loss_scale=scale or 1.0,
+                               healthy_weights=weights, healthy_from=where if weights else "", compare="reproduced",
+                               good_forward=good_forward, good_rng=good.good_rng,
+                               good_from=f"the batch of iter {good.good_iteration}" if good_forward else "",
+                               healthy_setup=self.fresh_state)
+        floor = signals.loss_scale is not None and signals.loss_scale < min_loss_scale
+        if good.good_batch is None and snap is self.points.start and (signals.scale_mode != "dynamic" or floor):
+            # No batch known to be good: every batch since the start state broke, this one included, and no
+            # calibration of a dynamic scale explains it (the scale fell past its floor with no step applied).
+            report["untrained_batches"] = good.untrained + 1
+        if batch_broke(report):
+            # The batch breaks the healthy state: which of its samples do, each by itself (never the whole batch).
+            if not good.flagged(signals.scale_mode != "none"):
+                isolation = self.isolation()
+                if isolation is not None:
+                    report["isolation"] = isolation
+            return report
+        # State poisoned with finite weights (BatchNorm statistics, a memory) by a batch other than the one in hand
+        # (that one does not break): the batch of the window since the healthy snapshot that did it.
+        window = trace_incident(self.io.model(), self.io.train_loader(), weights, getattr(snap, "iteration", 0),
+                                good.served_through(iteration), self.io.rerun_forward, lambda _: self.fresh_state())
+        if window is not None:
+            report["window"] = window
+        return report
+
+    def isolation(self) -> Optional[Dict[str, Any]]:
+        """:func:`~..diagnosis.window.isolate_rows` for the batch in hand from the healthy state, beside the batch
+        known to be good; None where it cannot run (no healthy weights, no dataset indices, no loader)."""
+        _, weights, where = self._healthy()
+        indices, loader = self.batches.indices, self.io.train_loader()
+        if weights is None or not indices or getattr(loader, "dataset", None) is None:
+            return None
+        report = isolate_rows(self.io.model(), weights, indices, rebuilder(loader), self.io.rerun_forward,
+                              clean=self.batches.good_indices(), reset=lambda _: self.fresh_state())
+        report["from"] = where
+        return report
+
+    # ------------------------------------------------------------------ naming samples
+    def named(self, diagnosis: Optional[Dict[str, Any]], fp16: bool, replayed: bool) -> List[Dict[str, Any]]:
+        """The samples this rank blames in a divergence: those the window trace found, else, where its own batch
+        broke on replay (or no replay ran), those whose own values are bad, else those the replay isolated."""
+        traced = window_samples(diagnosis, self.io.dataset())
+        if traced:
+            return _tagged(traced, TRACED)
+        if replayed and not batch_broke(diagnosis):
+            return []
+        flagged = self.batches.flagged(fp16)
+        if flagged:
+            return _tagged(flagged, OWN_VALUES)
+        return self._isolated((diagnosis or {}).get("isolation"))
+
+    def _isolated(self, isolation: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        if not isolation or not isolation.get("rows"):
+            return []
+        samples = self.batches.samples()
+        return _tagged([samples[r] for r in isolation["rows"] if r < len(samples)], ISOLATED)
+
+    def skipped(self, kind: str, fp16: bool) -> Dict[str, Any]:
+        """A step that went wrong without diverging, on this rank: the samples its record lists (``listed``: the
+        batch's, where it broke on this rank) and those evidence names (``named``); an ordinary fp16 overflow names
+        only samples whose own values overflow fp16 (the scale's doing otherwise), and replays nothing."""
+        if kind == "overflow":
+            flagged = self.batches.flagged(fp16=True)
+            return {"listed": flagged, "named": _tagged(flagged, OWN_VALUES), "isolation": None}
+        broke = not distributed.is_distributed() or self.batches.replays_broken()
+        if not broke:
+            return {"listed": [], "named": [], "isolation": None}
+        flagged = self.batches.flagged(fp16)
+        isolation = self.isolation() if not flagged and kind == "skip" else None
+        named = _tagged(flagged, OWN_VALUES) if flagged else self._isolated(isolation)
+        return {"listed": self.batches.suspects(fp16), "named": named, "isolation": isolation}
+
+
+def _trace(exc: BaseException, frames: int = 4) -> List[str]:
+    """The last few frames of a failed diagnosis, ``file:line in function``: enough to find the call that broke."""
+    return [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+            for f in traceback.extract_tb(exc.__traceback__)[-frames:]]
 
 
 class IncidentChain:
@@ -101,9 +280,9 @@ class IncidentChain:
     def __init__(self, config: GuardConfig, io: GuardIO, points: RestorePoints, policy: CausePolicy,
                  batches: BatchWatch, log_path: Optional[str]) -> None:
         self.config, self.io, self.points, self.policy, self.batches = config, io, points, policy, batches
+        self.evidence = Evidence(io, points, batches, functools.partial(policy.fresh_state, io))
         self.log_path = log_path or "(no work dir: no incident log)"
-        self.recoveries = 0
-        self.iterations_lost = 0
+        self.recoveries = self.iterations_lost = self.stalls = self.skipped_steps = self.fp32_skips = 0
         self.actions_tried: List[str] = []
         #: Restore points used in the open chain (empty: no chain open).
         self.tried: Set[str] = set()
@@ -112,8 +291,8 @@ class IncidentChain:
                           Step.GIVE_UP: self._give_up}
 
     def run(self, incident: Incident) -> Incident:
-        """Walks ``incident`` from :attr:`Step.DIAGNOSE` to :attr:`Step.DONE`; returns it with its ``record`` (and,
-        through :attr:`Step.GIVE_UP`, its ``error``: the caller writes the record, then raises)."""
+        """Walks ``incident`` from :attr:`Step.DIAGNOSE` to :attr:`Step.DONE`; returns it with its ``records`` (and,
+        through :attr:`Step.GIVE_UP`, its ``error``: the caller writes the records, then raises)."""
         step = Step.DIAGNOSE
         while step != Step.DONE:
             following = self._handlers[step](incident)
@@ -137,126 +316,131 @@ class IncidentChain:
                         f"ladder's rung that held: {rung}")
         return rung
 
-    # ------------------------------------------------------------------ the steps
+    # ------------------------------------------------------------------ evidence
     def _diagnose(self, inc: Incident) -> Step:
-        # A rank whose own step was clean would only re-run a clean batch: only those that saw the fault do.
-        saw_fault = inc.signals.suspicious or inc.signals.weights_finite is False or not distributed.is_distributed()
-        forward = self.io.rerun_forward(inc.batch) if self.config.diagnose and saw_fault else None
-        if forward is None:
+        fp16 = inc.signals.scale_mode != "none"
+        if inc.entry == Entry.STALL:
+            self.skipped_steps += 1
             return Step.CLASSIFY
-        try:
-            report = self._replay(inc, forward)
-        except Exception as exc:  # the diagnosis must never stand between a divergence and its recovery
-            report = {"error": f"{type(exc).__name__}: {exc}", "traceback": _trace(exc)}
-        report["rank"] = distributed.get_rank()
-        self.io.log(f"NanGuard: diagnosis of iter {inc.iteration} (rank {report['rank']}): {summarize(report)}",
-                    "warning")
-        inc.diagnosis = report
+        if inc.entry == Entry.SKIP:
+            found = self.evidence.skipped(inc.kind, fp16)
+            inc.mine = {"named": found["named"], "listed": found["listed"]}
+            if found["isolation"] is not None:
+                inc.diagnosis = {"isolation": found["isolation"]}
+            return Step.CLASSIFY
+        if inc.entry == Entry.DIVERGENCE:
+            # A rank whose own step was clean would only re-run a clean batch: only those that saw the fault do.
+            saw = inc.signals.suspicious or inc.signals.weights_finite is False or not distributed.is_distributed()
+            if self.config.diagnose and saw:
+                inc.diagnosis = self.evidence.replay(inc.iteration, inc.signals, inc.batch, inc.rng,
+                                                     self.config.min_loss_scale)
+            inc.mine = {"named": self.evidence.named(inc.diagnosis, fp16, inc.diagnosis is not None), "listed": []}
         return Step.CLASSIFY
-
-    def _replay(self, inc: Incident, forward: Callable[[], Any]) -> Dict[str, Any]:
-        snap = self.points.healthy()
-        weights = as_tensors(snap.ready_payload()) if snap is not None else None
-        where = ("the run's start state" if snap is self.points.start else f"snapshot of iter {snap.iteration}"
-                 if snap is not None else "")
-        scale = inc.signals.loss_scale if inc.signals.loss_scale is not None else self.io.loss_scale()
-        good = self.batches
-        good_forward = self.io.rerun_forward(good.good_batch) if good.good_batch is not None else None
-        report = diagnose_step(self.io.model(), forward, rng_state=inc.rng, loss_scale=scale or 1.0,
-                               healthy_weights=weights, healthy_from=where if weights else "", compare="reproduced",
-                               good_forward=good_forward, good_rng=good.good_rng,
-                               good_from=f"the batch of iter {good.good_iteration}" if good_forward else "",
-                               healthy_setup=self._healthy_temporal)
-        floor = inc.signals.loss_scale is not None and inc.signals.loss_scale < self.config.min_loss_scale
-        if good.good_batch is None and snap is self.points.start and (inc.signals.scale_mode != "dynamic" or floor):
-            # No batch known to be good: every batch since the start state broke, this one included, and no
-            # calibration of a dynamic scale explains it (the scale fell past its floor with no step applied).
-            report["untrained_batches"] = good.untrained + 1
-        # State poisoned with finite weights (BatchNorm statistics, a memory) by a batch other than the one in hand
-        # (that one does not break): the batch of the window since the healthy snapshot that did it.
-        window = None if batch_broke(report) else trace_incident(
-            self.io.model(), self.io.train_loader(), weights, getattr(snap, "iteration", 0),
-            good.served_through(inc.iteration), self.io.rerun_forward, lambda _: self._healthy_temporal())
-        if window is not None:
-            report["window"] = window
-        return report
-
-    def _healthy_temporal(self) -> List[str]:
-        """The temporal state of the healthy moment for a re-run on its weights: the memory the live weights wrote
-        (NaN once they broke) started afresh, as a rollback to that state does (the re-run puts it back after)."""
-        return self.policy.registry.get("temporal").after_rollback(self.policy.context(self.io))
 
     def _classify(self, inc: Incident) -> Step:
         history = self.policy.history
-        if inc.diagnosis is not None:
+        if inc.entry == Entry.SKIP:
+            named = inc.mine["named"]
+            inc.local = Classification(Cause.DATA, f"evidence names {len(named)} sample(s) of the batch",
+                                       signals={"iteration": inc.iteration}) if named else None
+        elif inc.entry == Entry.DIVERGENCE and inc.diagnosis is not None:
             inc.local = classify(inc.diagnosis, history, inc.iteration, recurrence=False)
-        else:
+        elif inc.entry == Entry.DIVERGENCE:
             # No replay: the batch's own values are the evidence there is (a sample holding NaN is bad data).
-            fp16 = inc.signals.scale_mode != "none"
-            inc.local = from_inputs(self.batches.flagged(fp16), inc.iteration) if inc.batch is not None else None
+            inc.local = from_inputs(inc.mine["named"], inc.iteration) if inc.batch is not None else None
             if inc.local is None and not distributed.is_distributed():
                 inc.local = classify(None, history, inc.iteration, recurrence=False)
         return Step.AGREE
 
     def _agree(self, inc: Incident) -> Step:
-        # Only a rank whose own batch breaks on replay names its samples (the others only received the NaN through
-        # the gradient all-reduce), and within it the samples whose own values are bad, where only some are.
-        fp16 = inc.signals.scale_mode != "none"
-        mine = {"cls": None if inc.local is None else inc.local.as_dict(),
-                "ids": self._named_here(inc, fp16),
-                "checked": inc.signals.weights_finite}
-        views = distributed.gather(mine)
-        agreed = merge([None if v["cls"] is None else Classification.from_dict(v["cls"]) for v in views])
+        views = distributed.gather({"cls": None if inc.local is None else inc.local.as_dict(), **inc.mine,
+                                    "checked": inc.signals.weights_finite})
+        many = len(views) > 1
+
+        def ranked(key: str) -> tuple:
+            return tuple(dict(s, rank=r) if many else dict(s) for r, v in enumerate(views) for s in v.get(key, []))
+
+        classes = [None if v["cls"] is None else Classification.from_dict(v["cls"]) for v in views]
+        agreed = merge(classes) if any(c is not None for c in classes) or inc.entry == Entry.DIVERGENCE else None
+        # DDP replicas hold the same weights: one rank's finite check speaks for the state of all.
+        state_ok = any(v["checked"] is True for v in views) and not any(v["checked"] is False for v in views)
+        inc.agreed = Agreement(agreed, ranked("named"), ranked("listed"), state_ok)
+        if inc.entry != Entry.DIVERGENCE:
+            return Step.ACT
+        inc.cls = self._recurrence(agreed, len(views), inc.iteration)
+        return self._budget(inc)
+
+    def _recurrence(self, agreed: Classification, ranks: int, iteration: int) -> Classification:
         # Back-to-back data incidents make a run structural only when every rank's batch broke: bad samples on one
         # rank of many (a corrupt scene) are data however often they come; a bug breaks every rank's batches.
-        everywhere = len(agreed.ranks) >= len(views) and all(r == Cause.DATA.value for r in agreed.ranks.values())
-        inc.cls = recurring(agreed, self.policy.history, inc.iteration) if everywhere or not agreed.ranks else agreed
-        inc.cls.signals.setdefault("iteration", inc.iteration)
-        inc.cls.action = self.policy.action_text(inc.cls.cause)
-        inc.ids = [dict(i, rank=r) if len(views) > 1 else i for r, v in enumerate(views) for i in v["ids"]]
-        # DDP replicas hold the same weights: one rank's finite check speaks for the state of all.
-        inc.state_ok = any(v["checked"] is True for v in views) and not any(v["checked"] is False for v in views)
-        if self.recoveries >= self.config.max_recoveries:
-            spent = f"the recovery budget is spent ({self.recoveries} of max_recoveries={self.config.max_recoveries})"
-            if inc.cls.cause == Cause.DATA and self.policy.enabled(Cause.DATA):
-                # Bad data, batch after batch, past the budget: a data problem (a transform that breaks every sample,
-                # a corrupt shard), named sample by sample, not a bug in the model.
-                inc.cls.signals["bad_data"] = self.policy.registry.get("quarantine").spent(self.io.dataset(), inc.ids)
-                inc.cls.evidence += (f"; {spent}, every divergence of late bad data: look at what every sample goes "
-                                     "through (the data pipeline's transforms, a wrong normalisation) and at the "
-                                     "files of the samples named")
+        everywhere = len(agreed.ranks) >= ranks and all(r == Cause.DATA.value for r in agreed.ranks.values())
+        c = recurring(agreed, self.policy.history, iteration) if everywhere or not agreed.ranks else agreed
+        c = c if "iteration" in c.signals else c.with_signals(iteration=iteration)
+        return c.but(action=self.policy.action_text(c.cause))
+
+    def _budget(self, inc: Incident) -> Step:
+        if self.recoveries < self.config.max_recoveries:
+            return Step.ACT
+        spent = f"the recovery budget is spent ({self.recoveries} of max_recoveries={self.config.max_recoveries})"
+        if inc.cls.cause == Cause.DATA and self.policy.enabled(Cause.DATA):
+            # Bad data, batch after batch, past the budget: a data problem (a transform that breaks every sample,
+            # a corrupt shard), named sample by sample, not a bug in the model.
+            c = self.policy.spent(inc.cls, self.io, _bare(inc.agreed.samples))
+            inc.cls = c.but(evidence=c.evidence + f"; {spent}, every divergence of late bad data: look at what every "
+                                                  "sample goes through (the data pipeline's transforms, a wrong "
+                                                  "normalisation) and at the files of the samples named")
+            if inc.cls.signals.get("bad_data") is not None:
                 self._bad_data_stop(inc)
                 return Step.GIVE_UP
-            inc.stop = (NanGuardGaveUp, spent)
-            return Step.GIVE_UP
-        return Step.ACT
+        inc.stop = (NanGuardGaveUp, spent)
+        return Step.GIVE_UP
 
+    # ------------------------------------------------------------------ action
     def _act(self, inc: Incident) -> Step:
-        c = inc.cls
-        if c.cause != Cause.STRUCTURAL:
-            inc.changes = self.policy.act(c, self.io, inc.ids, self.recoveries + 1)
-        if c.signals.get("bad_data"):  # samples the bound refused broke the run again: data, not a bug
+        if inc.entry == Entry.STALL:
+            return self._act_stall(inc)
+        if inc.entry == Entry.SKIP:
+            return self._act_skip(inc)
+        if inc.cls.cause != Cause.STRUCTURAL:
+            inc.cls, inc.changes = self.policy.before_restore(inc.cls, self.io, _bare(inc.agreed.samples),
+                                                              self.recoveries + 1)
+        if inc.cls.signals.get("bad_data"):  # samples the bound refused broke the run again: data, not a bug
             self._bad_data_stop(inc)
             return Step.GIVE_UP
-        if c.cause == Cause.STRUCTURAL:
+        if inc.cls.cause == Cause.STRUCTURAL:
             inc.changes = []
-            inc.stop = (StructuralDivergence, f"the divergence is structural: {c.evidence}. Look at: "
+            inc.stop = (StructuralDivergence, f"the divergence is structural: {inc.cls.evidence}. Look at: "
                                               f"{row(Cause.STRUCTURAL).look_at}")
             return Step.GIVE_UP
         self.note(inc.iteration, inc.changes)
         return Step.RESTORE
 
-    def _named_here(self, inc: Incident, fp16: bool) -> List[Dict[str, Any]]:
-        """The samples this rank blames: those the window trace found, else, where its own batch broke on replay, its
-        suspects, else, where no replay ran, the samples holding bad values of their own; none otherwise."""
-        traced = window_samples(inc.diagnosis, self.io.dataset())
-        if traced:
-            return traced
-        if batch_broke(inc.diagnosis):
-            return self.batches.suspects(fp16)
-        if inc.local is not None and inc.local.signals.get("flagged_inputs"):
-            return self.batches.flagged(fp16)
-        return []
+    def _act_stall(self, inc: Incident) -> Step:
+        inc.changes = list(self.policy.event(When.STALLED, self.io, iteration=inc.iteration).changes)
+        if inc.changes:
+            self.note(inc.iteration, inc.changes)
+            return Step.RESTORE
+        # No remedy could answer the stall: a divergence, from its first step.
+        inc.entry, inc.mine, inc.local = Entry.DIVERGENCE, {}, None
+        inc.decision = Decision(Verdict.DIVERGED, inc.decision.reason + "; no scale remedy available")
+        return Step.DIAGNOSE
+
+    def _act_skip(self, inc: Incident) -> Step:
+        samples = _bare(inc.agreed.samples)
+        if not samples or inc.kind == "nonfinite_loss":
+            return Step.RESTORE
+        base = inc.agreed.cls or Classification(Cause.DATA, "evidence names samples of the batch")
+        outcome = self.policy.event(When.SKIPPED, self.io, base, samples=samples, iteration=inc.iteration,
+                                    epoch=inc.data_epoch)
+        inc.changes = list(outcome.changes)
+        inc.cls = outcome.applied_to(base)
+        if outcome.signals.get("bad_data") is not None:
+            inc.cls = inc.cls.but(evidence=outcome.evidence.lstrip("; "))
+            inc.decision = Decision(Verdict.DIVERGED, "refused bad samples broke the run again")
+            self._bad_data_stop(inc)
+            return Step.GIVE_UP
+        self.note(inc.iteration, inc.changes)
+        return Step.RESTORE
 
     def _bad_data_stop(self, inc: Incident) -> None:
         inc.stop = (BadDataError, f"a data problem, not a bug: {inc.cls.evidence}. "
@@ -264,8 +448,9 @@ class IncidentChain:
 
     def _restore(self, inc: Incident) -> Step:
         # Bad data met a state checked finite on every rank (the scaler or the fp32 skip kept it out): the state is
-        # not what broke, so the run goes on from it, nothing lost.
-        if "rollback" not in self.config.remedies or self._keeps_state(inc):
+        # not what broke, so the run goes on from it, nothing lost. Nothing but a divergence rolls back.
+        if inc.entry != Entry.DIVERGENCE or not self.policy.rolls_back(inc.cls, self.io) or (
+                inc.cls.cause == Cause.DATA and inc.agreed.state_ok):
             return Step.RECORD
         # Bad data leaves the restore point it rolls back to as healthy as it was: the next data incident may use it
         # again (a burst of bad batches rolls back to the same point, batch by batch). Other causes spend it.
@@ -281,14 +466,25 @@ class IncidentChain:
         self.points.drop_after(payload.iteration)
         inc.restored, inc.lost = payload, max(0, inc.iteration - payload.iteration)
         self.actions_tried.append(f"iter {inc.iteration}: rollback to {payload.source} (iter {payload.iteration})")
-        later, inc.temporal = self.policy.after_restore(inc.cls, self.io, payload, self.recoveries + 1)
+        inc.cls, later, inc.temporal = self.policy.after_restore(inc.cls, self.io, payload, self.recoveries + 1)
         self.note(inc.iteration, later)
         inc.changes += later
         if inc.temporal:
             self.io.log(f"NanGuard: temporal state reset after the rollback: {', '.join(inc.temporal)}")
         return Step.RECORD
 
+    # ------------------------------------------------------------------ records
     def _record(self, inc: Incident) -> Step:
+        if inc.entry == Entry.SKIP:
+            inc.records = self._skip_records(inc)
+            return Step.DONE
+        if inc.entry == Entry.STALL:
+            self.stalls += 1
+            self.io.log(f"NanGuard: static loss scale stalled training at iter {inc.iteration} "
+                        f"({inc.decision.reason}); " + "; ".join(f"{c.target}: {c.old} -> {c.new}"
+                                                                  for c in inc.changes), "warning")
+            inc.records = [self._base(inc, Event.STALLED, inc.changes)]
+            return Step.DONE
         self.recoveries += 1
         self.iterations_lost += inc.lost
         restored = None if inc.restored is None else {"source": inc.restored.source,
@@ -296,16 +492,36 @@ class IncidentChain:
         if restored and inc.temporal:
             restored["temporal_reset"] = inc.temporal
         self.policy.record(inc.cls, inc.iteration, None if inc.restored is None else inc.restored.iteration)
-        inc.record = self._base(inc, Event.DIVERGENCE, inc.changes, restored_from=restored, iterations_lost=inc.lost,
-                                epoch=inc.epoch, diagnosis=inc.diagnosis, cause=inc.cls.as_dict())
-        self._log_recovery(inc)
+        inc.records = [self._base(inc, Event.DIVERGENCE, inc.changes, restored_from=restored,
+                                  iterations_lost=inc.lost)]
+        where = ("no rollback (the state is finite on every rank: the bad batch is skipped)"
+                 if self.policy.rolls_back(inc.cls, self.io) else "no rollback (disabled)")
+        _log_recovery(self.io, inc, f"recovery {self.recoveries}/{self.config.max_recoveries}", where)
         return Step.DONE
+
+    def _skip_records(self, inc: Incident) -> List[Dict[str, Any]]:
+        scaled, skipped = inc.signals.scale_mode != "none", inc.kind in ("overflow", "skip")
+        self.skipped_steps += skipped
+        self.fp32_skips += inc.kind == "skip" and not scaled
+        listed = list(inc.agreed.listed) or None
+        self.io.log(_skip_line(inc, listed), "info" if inc.kind == "overflow" else "warning")
+        # The skip's record holds what the evidence showed; what the remedies did with it is the recurring record's.
+        records = [] if inc.kind == "overflow" else [
+            self._base(inc, Event.SKIP if skipped else Event.NONFINITE_LOSS, [], batch=listed, cls=inc.agreed.cls)]
+        recurred = (inc.cls.signals.get("recurring") if inc.cls is not None else None) or []
+        if recurred:
+            reason = str(inc.cls.signals.get("reason", ""))
+            records.append(self._base(inc, Event.RECURRING_SAMPLE, inc.changes, batch=recurred,
+                                      quarantined=bool(inc.cls.signals.get("quarantined")),
+                                      decision=Decision(Verdict.OVERFLOW, reason)))
+        return records
 
     def _give_up(self, inc: Incident) -> Step:
         error, why = inc.stop
         changes = inc.changes if error is NoHealthyStateError else []
-        inc.record = self._base(inc, Event.GAVE_UP, changes, why=why, diagnosis=inc.diagnosis,
-                                cause=None if inc.cls is None else inc.cls.as_dict())
+        batch = list(inc.cls.signals.get("bad_data") or []) if inc.entry == Entry.SKIP and inc.cls else None
+        inc.records = [self._base(inc, Event.GAVE_UP, changes, why=why,
+                                  **({"batch": batch} if batch is not None else {}))]
         tried = "\n".join(f"  - {a}" for a in self.actions_tried) or "  (nothing yet)"
         msg = (f"NanGuard gave up at iter {inc.signals.iteration}: {why}. Last divergence: {inc.decision.reason}.\n"
                f"Remedies and rollbacks so far:\n{tried}\nIncident log: {self.log_path}")
@@ -313,58 +529,68 @@ class IncidentChain:
         inc.error = error(msg, inc.cls.signals["bad_data"]) if error is BadDataError else error(msg)
         return Step.DONE
 
-    # ------------------------------------------------------------------ helpers
-    def _keeps_state(self, inc: Incident) -> bool:
-        return not row(inc.cls.cause).rolls_back or (inc.cls.cause == Cause.DATA and inc.state_ok)
-
     def note(self, iteration: int, changes: List[Change]) -> None:
         """Adds ``changes`` to the actions tried, which the give-up message lists."""
         for change in changes:
             self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
 
-    def _base(self, inc: Incident, event: Event, changes: List[Change], **fields: Any) -> Dict[str, Any]:
-        return self.record(event, inc.signals, inc.decision, changes, inc.attributes, **fields)
-
-    def record(self, event: Event, signals: StepSignals, decision: Decision, changes: List[Change],
-               attributes: List[str], **fields: Any) -> Dict[str, Any]:
-        """The one builder of the guard's records (an incident's, a skipped step's, a stall's): the step, the
-        changes, the run's recovery count and, where modules hold non-finite attributes, their names."""
-        extra = {"nonfinite_attributes": list(attributes)} if attributes else {}
-        return step_record(event, signals, decision, list(changes), self.recoveries, self.config.max_recoveries,
-                           distributed.get_world_size(), **extra, **fields)
-
-    def _log_recovery(self, inc: Incident) -> None:
-        if inc.restored is not None:
-            where = (f"rolled back to iter {inc.restored.iteration} from {inc.restored.source}, {inc.lost} "
-                     "iteration(s) lost")
-        elif "rollback" in self.config.remedies:
-            where = "no rollback (the state is finite on every rank: the bad batch is skipped)"
-        else:
-            where = "no rollback (disabled)"
-        c = inc.cls
-        self.io.log(f"NanGuard: divergence at iter {inc.iteration} ({inc.decision.reason}); cause: {c.cause.value} "
-                    f"({c.evidence}); recovery {self.recoveries}/{self.config.max_recoveries}: {where}; "
-                    f"{len(inc.changes)} setting(s) changed", "warning")
-        for change in inc.changes:
-            self.io.log(f"NanGuard:   {change.target}: {change.old} -> {change.new}", "warning")
-        for sample in c.signals.get("quarantined") or []:
-            self.io.log("NanGuard:   quarantined: " + ", ".join(f"{k}={v}" for k, v in sample.items()), "warning")
-        if inc.restored is not None:
-            self.io.log(f"NanGuard: the iteration counter restarts at {inc.restored.iteration + 1}; checkpoints of "
-                        "the replayed iterations will be written again", "warning")
+    def _base(self, inc: Incident, event: Event, changes: List[Change], decision: Optional[Decision] = None,
+              cls: Any = "incident's", **fields: Any) -> Dict[str, Any]:
+        """One record schema for every entry and event: the step, the changes, the class, the samples evidence
+        named, the restore and the diagnosis, then the event's own fields."""
+        samples = list(inc.agreed.samples) if inc.agreed is not None else []
+        cls = inc.cls if cls == "incident's" else cls
+        common = {"epoch": inc.epoch, "cause": None if cls is None else cls.as_dict(), "samples": samples,
+                  "restored_from": None, "iterations_lost": 0, "diagnosis": inc.diagnosis}
+        extra = {"nonfinite_attributes": list(inc.attributes)} if inc.attributes else {}
+        return step_record(event, inc.signals, decision or inc.decision, list(changes), self.recoveries,
+                           self.config.max_recoveries, distributed.get_world_size(), **extra,
+                           **dict(common, **fields))
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> Dict[str, Any]:
         return {"recoveries": self.recoveries, "iterations_lost": self.iterations_lost,
-                "actions_tried": list(self.actions_tried)}
+                "actions_tried": list(self.actions_tried), "stalls": self.stalls,
+                "skipped_steps": self.skipped_steps, "fp32_skips": self.fp32_skips}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.recoveries = int(state.get("recoveries", 0))
         self.iterations_lost = int(state.get("iterations_lost", 0))
         self.actions_tried = list(state.get("actions_tried", []))
+        self.stalls = int(state.get("stalls", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.fp32_skips = int(state.get("fp32_skips", 0))
 
 
-def _trace(exc: BaseException, frames: int = 4) -> List[str]:
-    """The last few frames of a failed diagnosis, ``file:line in function``: enough to find the call that broke."""
-    return [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
-            for f in traceback.extract_tb(exc.__traceback__)[-frames:]]
+def _bare(samples: Any) -> List[Dict[str, Any]]:
+    """Samples as remedies take them: without the record's ``evidence`` tag."""
+    return [{k: v for k, v in s.items() if k != "evidence"} for s in samples]
+
+
+def _skip_line(inc: Incident, listed: Optional[List[Dict[str, Any]]]) -> str:
+    """The log line of a step that went wrong without diverging."""
+    if inc.kind == "overflow":
+        scale = "" if inc.signals.loss_scale is None else f", loss scale now {inc.signals.loss_scale:g}"
+        return f"NanGuard: harmless overflow at iter {inc.iteration}: step skipped{scale} ({inc.decision.reason})"
+    what = ("fp16 step skipped by the loss scaler: the forward itself is non-finite" if inc.signals.scale_mode != "none"
+            else "fp32 step skipped before the optimizer applied it" if inc.kind == "skip" else
+            "non-finite loss, step applied")
+    return (f"NanGuard: {what} at iter {inc.iteration} ({inc.decision.reason})"
+            + (f"; samples: {short_samples(listed)}" if listed else ""))
+
+
+def _log_recovery(io: GuardIO, inc: Incident, budget: str, unrolled: str) -> None:
+    """The log lines of a recovered divergence: class, evidence, restore, every change and sample quarantined."""
+    where = (f"rolled back to iter {inc.restored.iteration} from {inc.restored.source}, {inc.lost} iteration(s) lost"
+             if inc.restored is not None else unrolled)
+    c = inc.cls
+    io.log(f"NanGuard: divergence at iter {inc.iteration} ({inc.decision.reason}); cause: {c.cause.value} "
+           f"({c.evidence}); {budget}: {where}; {len(inc.changes)} setting(s) changed", "warning")
+    for change in inc.changes:
+        io.log(f"NanGuard:   {change.target}: {change.old} -> {change.new}", "warning")
+    for sample in c.signals.get("quarantined") or []:
+        io.log("NanGuard:   quarantined: " + ", ".join(f"{k}={v}" for k, v in sample.items() if k != "evidence"),
+               "warning")
+    if inc.restored is not None:
+        io.log(f"NanGuard: the iteration counter restarts at {inc.restored.iteration + 1}; checkpoints of the "
+               "replayed iterations will be written again", "warning")

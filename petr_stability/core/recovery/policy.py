@@ -1,25 +1,181 @@
-"""Which remedies a confirmed divergence gets, from its agreed class: :data:`~..causes.CAUSE_TABLE` and the ladder.
+"""One run's remedies (:class:`Remedies`), and which of them an incident gets (:class:`CausePolicy`): the cause table
+and the ladder.
 
-The policy only chooses and dispatches: the remedies themselves (what they change, their state, their part of the
-summary) are the objects of :mod:`..remedies.registry`, and the ladder and each class's remedies are read from
-there. The policy keeps what is its own: the rung climbed in the current chain and the history of incidents. It
-never talks to other ranks: the class it acts on was agreed before (:mod:`.chain`).
+:class:`Remedies` holds an instance of every registered remedy type: it fires an event only at the remedies that take
+and match it, saves and loads their declared state in one generic pass, and reads the idle ones without calling them.
+The policy chooses and fires events; the remedies (what they change, their state, their part of the summary and of
+the patched config) are reached through the events they take only. The policy keeps
+what is its own: the rung climbed in the current chain and the history of incidents. It never talks to other ranks
+and never changes a class in place: every step returns a new :class:`~..causes.Classification`.
 """
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import copy
+from dataclasses import replace
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..causes import Cause, Classification, row
 from ..config import GuardConfig
 from ..diagnosis.classify import CauseHistory
 from ..port import GuardIO, Payload
-from ..remedies import Change
-from ..remedies.base import Context, When
-from ..remedies.registry import LADDER, Remedies, Rung, ladder_text
+from ..remedies.base import Change, ConfigEntry, Context, Outcome, Remedy, When
+from ..remedies.registry import LADDER, REMEDY_TYPES, Rung, ladder_of, serving
 
-__all__ = ["Rung", "LADDER", "CausePolicy"]
+__all__ = ["Rung", "LADDER", "Remedies", "CausePolicy"]
+
+_SECTIONS = ("", "policy")
+
+
+class Remedies:
+    """One run's remedies: an instance of each registered type, their state, their summary, and who acts when.
+
+    Args:
+        config: the guard's settings.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.all: Tuple[Remedy, ...] = tuple(cls(config) for cls in REMEDY_TYPES.values())
+        self.by_name: Dict[str, Remedy] = {r.name: r for r in self.all}
+        self.ladder = ladder_of(getattr(config, "ladder", None))
+        self._defaults = {r.name: {k: copy.deepcopy(getattr(r, k)) for k in r.state} for r in self.all}
+        self._by_event: Dict[When, List[Remedy]] = {e: [r for r in self.all if e in r.events] for e in When}
+        #: Remedies that changed something in this run (their summary and patched-config entry are asked for).
+        self.acted: set = set()
+
+    def __iter__(self) -> Iterator[Remedy]:
+        return iter(self.all)
+
+    def get(self, name: str) -> Remedy:
+        """The remedy called ``name``."""
+        return self.by_name[name]
+
+    # ------------------------------------------------------------------ events
+    def context(self, io: Any, event: When, **fields: Any) -> Context:
+        """The :class:`~.base.Context` remedies get at ``event``."""
+        return Context(io, self.config, event, peers=self.by_name, **fields)
+
+    def takers(self, event: When, ctx: Context, names: Optional[Iterable[str]] = None) -> List[Remedy]:
+        """The switched-on remedies that take ``event`` (among ``names`` where given; for a class at the restore
+        events, those serving it) and match ``ctx``."""
+        chosen = None if names is None else set(names)
+        out = []
+        for r in self._by_event[event]:
+            if not r.enabled or (chosen is not None and r.name not in chosen):
+                continue
+            if chosen is None and event in (When.BEFORE_RESTORE, When.RESTORE, When.AFTER_RESTORE) and (
+                    ctx.cls is None or ctx.cls.cause not in r.causes):
+                continue
+            if r.match(ctx):
+                out.append(r)
+        return out
+
+    def fire(self, event: When, ctx: Context, names: Optional[Iterable[str]] = None) -> Outcome:
+        """Every remedy that takes ``event`` acts in registration order, each seeing the class as the ones before
+        left it; their outcomes as one (changes in order, the class's evidence and signals added up)."""
+        changes: List[Any] = []
+        signals: Dict[str, Any] = {}
+        evidence, cause, exclude = "", None, []
+        for r in self.takers(event, ctx, names):
+            out = Outcome.of(r.apply(ctx))
+            if out.changes:
+                self.acted.add(r.name)
+            changes += out.changes
+            evidence, signals, cause = evidence + out.evidence, {**signals, **out.signals}, out.cause or cause
+            if out.exclude is not None:
+                exclude.append(out.exclude)
+            if ctx.cls is not None:
+                ctx = replace(ctx, cls=out.applied_to(ctx.cls))
+        return Outcome(tuple(changes), evidence, signals, cause, exclude or None)
+
+    def serves(self, cause: Cause) -> bool:
+        """Whether any switched-on remedy acts on ``cause``."""
+        return any(self.by_name[n].enabled for n in serving(cause, self.ladder) if n in self.by_name)
+
+    # ------------------------------------------------------------------ state, in one generic pass
+    def _part(self, r: Remedy, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        if r.section in _SECTIONS:
+            return dict(state.get(r.section) or {}) if r.section else state
+        return dict(dict(state.get("remedies") or {}).get(r.name) or {})
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Their state as the guard's checkpoint state holds it: top-level keys, the ``policy`` section, and
+        ``remedies.<name>`` for registered types of users."""
+        state: Dict[str, Any] = {"policy": {}}
+        for r in self.all:
+            values = {k: copy.deepcopy(getattr(r, k)) for k in r.state}
+            if r.section in _SECTIONS:
+                (state["policy"] if r.section else state).update(values)
+            elif values:
+                state.setdefault("remedies", {})[r.name] = values
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The inverse of :meth:`state_dict`; keys a checkpoint lacks keep their defaults (old checkpoints load)."""
+        for r in self.all:
+            part = self._part(r, state)
+            for key in r.state:
+                if key in part:
+                    setattr(r, key, r.load_value(key, part[key]))
+
+    def idle(self, r: Remedy) -> bool:
+        """It never changed anything in this run, and its state is its defaults (no call into it)."""
+        return r.name not in self.acted and all(getattr(r, k) == v for k, v in self._defaults[r.name].items())
+
+    def tags(self) -> Dict[str, Any]:
+        """What a restore point records of them: ``{'<remedy>.<attribute>': value}``."""
+        return {f"{r.name}.{k}": copy.deepcopy(getattr(r, k)) for r in self.all for k in r.tags}
+
+    def tags_in(self, guard_state: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+        """The tags a checkpoint's guard state holds (a tag it lacks: the remedy's default)."""
+        out = {}
+        for r in self.all:
+            part = self._part(r, guard_state or {})
+            for k in r.tags:
+                out[f"{r.name}.{k}"] = r.load_value(k, part[k]) if k in part else self._defaults[r.name][k]
+        return out
+
+    def restored(self, io: Any, tags: Mapping[str, Any], **fields: Any) -> Outcome:
+        """A restore put back a point with ``tags``: :attr:`~.base.When.RESTORED` for the remedies whose tags there
+        differ from the live values, each given its own (``ctx.restored``)."""
+        live = self.tags()
+        changed = {t.split(".", 1)[0] for t, v in tags.items() if t in live and live[t] != v}
+        outcomes = []
+        for name in sorted(changed, key=list(self.by_name).index):
+            own = {t.split(".", 1)[1]: v for t, v in tags.items() if t.startswith(name + ".")}
+            ctx = self.context(io, When.RESTORED, restored=own, **fields)
+            outcomes.append(self.fire(When.RESTORED, ctx, [name]))
+        return Outcome(tuple(c for o in outcomes for c in o.changes))
+
+    # ------------------------------------------------------------------ what they put in force
+    def summary(self, io: Any) -> Dict[str, Any]:
+        """The settings they put in force (the summary's part): an idle remedy's declared ``idle`` summary."""
+        out: Dict[str, Any] = {}
+        for r in self.all:
+            out.update(copy.deepcopy(dict(r.idle)) if self.idle(r) else r.summary(io))
+        return out
+
+    def config_entries(self, io: Any) -> Dict[str, ConfigEntry]:
+        """Each remedy's patched-config entry, for those that acted (by name)."""
+        return {r.name: r.config_entry(io) for r in self.all if not self.idle(r)}
+
+    def reapply(self, carry: Mapping[str, Mapping[str, Any]], io: Any, log: Any) -> List[Any]:
+        """The patched config's ``carry={name: ...}`` given back to each remedy before the first iteration; returns the
+        changes (an entry for a remedy not registered here is named in a warning)."""
+        changes: List[Any] = []
+        for name, carried in carry.items():
+            r = self.by_name.get(name)
+            if r is None:
+                log(f"NanGuard: carry names remedy {name!r}, which is not registered here (its package not in "
+                    "custom_imports?): not re-applied", "warning")
+                continue
+            done = r.reapply(dict(carried or {}), self.context(io, When.START))
+            if done:
+                self.acted.add(name)
+            changes += done
+        return changes
 
 
 class CausePolicy:
-    """The state of cause-aware recovery over a run, and the dispatch to its remedies.
+    """The state of cause-aware recovery over a run, and the events it fires at the remedies.
 
     Args:
         config: the guard's settings.
@@ -27,129 +183,143 @@ class CausePolicy:
 
     def __init__(self, config: GuardConfig) -> None:
         self.config = config
-        self.registry = Remedies(config)
+        self.remedies = Remedies(config)
+        self.ladder = self.remedies.ladder
         self.history = CauseHistory(first_iterations=config.first_iterations)
         #: Rungs climbed in the current chain of dynamics incidents (0: the next incident gets rung 1).
         self.rung = 0
 
-    def __getattr__(self, name: str) -> Any:
-        # A remedy's state read by its checkpoint key (policy.skip, policy.fp32): the registry's to name.
-        if name in ("registry", "__setstate__") or name.startswith("__"):
-            raise AttributeError(name)
-        return self.registry.state_attribute(name)
-
-    def context(self, io: GuardIO, **fields: Any) -> Context:
-        """What the remedies get at one point of the run."""
-        return Context(io, history=self.history, remedies=self.registry, **fields)
+    def remedy(self, name: str) -> Remedy:
+        """The run's remedy called ``name`` (its state: ``policy.remedy('quarantine').skip_list``)."""
+        return self.remedies.get(name)
 
     # ------------------------------------------------------------------ the table, as text
+    def ladder_text(self) -> str:
+        """The ladder as the cause table's action names it, with this run's settings."""
+        texts = []
+        for rung in self.ladder:
+            members = [self.remedies.get(n) for n in rung.remedies]
+            # A rung of the declared ladder is named by its first remedy (the known manual fix by the clip's).
+            texts.append(members[0].text() if rung in LADDER else " + ".join(r.text() for r in members))
+        return ", then ".join(texts)
+
     def action_text(self, cause: Cause) -> str:
         """The table's action for ``cause`` with this run's ladder and ``lr_backoff`` filled in."""
-        return row(cause).action.format(ladder=ladder_text(self.config), lr_backoff=self.config.lr_backoff)
+        backoff = getattr(self.config, "lr_backoff", "lr_backoff")
+        return row(cause).action.format(ladder=self.ladder_text(), lr_backoff=backoff)
 
     def enabled(self, cause: Cause) -> bool:
         """Whether any remedy for ``cause`` is switched on."""
-        return self.registry.serves(cause)
+        return self.remedies.serves(cause)
 
-    # ------------------------------------------------------------------ setup and persistence
-    def setup(self, io: GuardIO) -> None:
-        """Re-applies the remedies recorded in a resumed state (once the runner's objects exist)."""
-        for remedy in self.registry:
-            remedy.resume(io)
-
-    def skip_list(self, io: GuardIO) -> Any:
-        """The quarantine the training loader's sampler honours (:meth:`..remedies.quarantine.Quarantine.skip_list`)."""
-        return self.registry.get("quarantine").skip_list(io)
-
+    # ------------------------------------------------------------------ persistence
     def state_dict(self) -> Dict[str, Any]:
         """The remedies' state (top-level keys and the ``policy`` section) with the policy's own in that section."""
-        state = self.registry.state_dict()
+        state = self.remedies.state_dict()
         state["policy"].update(history=self.history.state_dict(), rung=self.rung)
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.registry.load_state_dict(state)
+        self.remedies.load_state_dict(state)
         own = dict(state.get("policy") or {})
         self.history.load_state_dict(own.get("history", {}))
         self.rung = int(own.get("rung", 0))
 
     def summary(self, io: GuardIO) -> Dict[str, Any]:
         """The settings the remedies put in force, and the ladder's rungs that held."""
-        return dict(self.registry.summary(io), held=[i["held"]["rung"] for i in self.history.incidents
-                                                    if (i.get("held") or {}).get("rung")])
+        return dict(self.remedies.summary(io), held=[i["held"]["rung"] for i in self.history.incidents
+                                                     if (i.get("held") or {}).get("rung")])
 
     def tags(self) -> Dict[str, Any]:
-        """What a restore point records of the remedies (the learning-rate factor in force)."""
-        return self.registry.tags()
+        """What a restore point records of the remedies (their declared tags)."""
+        return self.remedies.tags()
 
     # ------------------------------------------------------------------ outside an incident
+    def start(self, io: GuardIO) -> List[Change]:
+        """Before the first iteration: what a resumed state recorded, then what the patched config carries
+        (``carry=``), re-applied. Returns the changes."""
+        changes = list(self.remedies.fire(When.START, self.remedies.context(io, When.START)).changes)
+        carried = self.remedies.reapply(self.config.carry, io, io.log) if self.config.carry else []
+        for change in carried:
+            io.log(f"NanGuard: carried from the earlier run: {change.target}: {change.old} -> {change.new}")
+        return changes + carried
+
+    def attach(self, io: GuardIO) -> Any:
+        """The training loader exists: the container of dataset indices it must never serve."""
+        outcome = self.remedies.fire(When.ATTACH, self.remedies.context(io, When.ATTACH))
+        parts = list(outcome.exclude or [])
+        return parts[0] if len(parts) == 1 else _Union(parts)
+
     def on_healthy(self, io: GuardIO, spikes: Any) -> None:
         """A healthy step: the remedies that act on every one (the adaptive clip)."""
-        self.registry.at(When.HEALTHY, self.context(io, extra={"spikes": spikes}))
+        if self.remedies.takers(When.HEALTHY, self.remedies.context(io, When.HEALTHY)):
+            self.remedies.fire(When.HEALTHY, self.remedies.context(io, When.HEALTHY, extra={"spikes": spikes}))
 
-    def on_stall(self, io: GuardIO, iteration: int) -> List[Change]:
-        """A static loss scale stalled training: what the stall's remedies changed (none: nothing could)."""
-        return self.registry.at(When.STALLED, self.context(io, iteration=iteration))
+    def event(self, event: When, io: GuardIO, c: Optional[Classification] = None, **fields: Any) -> Outcome:
+        """Fires ``event`` (stalled, skipped, handled) at the remedies that take it."""
+        return self.remedies.fire(event, self.remedies.context(io, event, cls=c, history=self.history, **fields))
 
-    def recurring(self, io: GuardIO, named: List[Dict[str, Any]], epoch: int,
-                  iteration: int) -> Optional[Tuple[List[Change], List[Dict[str, Any]], str]]:
-        """Samples a wrong step named: (changes, samples, reason) for a ``recurring_sample`` record, or None."""
-        return self.registry.get("quarantine").recurring(self.context(io, iteration=iteration), named, epoch)
-
-    def after_incident(self, io: GuardIO) -> None:
-        """An incident was handled: remedies that follow the others' settings catch up (the adaptive clip's base)."""
-        ctx = self.context(io)
-        for remedy in self.registry:
-            remedy.after_incident(ctx)
+    def fresh_state(self, io: GuardIO) -> List[str]:
+        """The temporal state of a healthy moment for a replay on its weights: what every rollback starts afresh
+        (:attr:`~..remedies.base.When.AFTER_ROLLBACK`); the modules reset."""
+        outcome = self.remedies.fire(When.AFTER_ROLLBACK, self.remedies.context(io, When.AFTER_ROLLBACK))
+        return list(outcome.signals.get("temporal_reset") or [])
 
     # ------------------------------------------------------------------ one incident
-    def act(self, c: Classification, io: GuardIO, ids: Sequence[Dict[str, Any]], incident: int) -> List[Change]:
-        """The remedies that need the failing step (its batches' ids, its gradients), before the restore.
-
-        May turn ``c`` structural (edited in place) when its class has no remedy left.
-
-        Args:
-            c: the agreed class.
-            io: the adapter.
-            ids: the sample ids of the batches that broke (only the ranks whose own batch broke name theirs).
-            incident: this recovery's 1-based number (the clip schedule's index).
-        """
-        c.action = self.action_text(c.cause)
-        ctx = self.context(io, incident=incident, cls=c, ids=ids, iteration=int(c.signals.get("iteration") or 0))
+    def before_restore(self, c: Classification, io: GuardIO, samples: Sequence[Dict[str, Any]],
+                       incident: int) -> Tuple[Classification, List[Change]]:
+        """The remedies that need the failing step (its samples, its gradients), before the restore. Returns the
+        class they leave (structural where its remedies are spent) and what they changed."""
         if c.cause == Cause.FORWARD_OVERFLOW and not self.enabled(Cause.FORWARD_OVERFLOW):
-            c.signals["evidence_cause"] = Cause.FORWARD_OVERFLOW.value
-            c.cause, c.evidence = Cause.DYNAMICS, c.evidence + "; the fp32 remedy is off: the ladder instead"
+            c = c.but(cause=Cause.DYNAMICS, evidence=c.evidence + "; the fp32 remedy is off: the ladder instead",
+                      signals={**c.signals, "evidence_cause": Cause.FORWARD_OVERFLOW.value})
+        ctx = self.remedies.context(io, When.BEFORE_RESTORE, cls=c, incident=incident, samples=samples,
+                                    iteration=int(c.signals.get("iteration") or 0), history=self.history)
+        names = None
         if c.cause in (Cause.DYNAMICS, Cause.UNKNOWN):
-            changes = self._climb(ctx)
-        else:
-            changes = [change for remedy in self.registry if c.cause in remedy.causes and remedy.when ==
-                       When.BEFORE_RESTORE for change in remedy.apply(ctx)]
-        c.action = self.action_text(c.cause)
-        return changes
+            c, names = self._climb(ctx)
+            if c.cause == Cause.STRUCTURAL:
+                return c.but(action=self.action_text(c.cause)), []
+            ctx = self.remedies.context(io, When.BEFORE_RESTORE, cls=c, incident=incident, samples=samples,
+                                        iteration=ctx.iteration, history=self.history)
+        outcome = self.remedies.fire(When.BEFORE_RESTORE, ctx, names)
+        after = outcome.applied_to(c)
+        if after.cause == Cause.STRUCTURAL and c.cause != Cause.STRUCTURAL:
+            self.history.mark_spent(c.cause, after.evidence)
+        return after.but(action=self.action_text(after.cause)), list(outcome.changes)
+
+    def rolls_back(self, c: Classification, io: GuardIO) -> bool:
+        """Whether a remedy takes :attr:`~..remedies.base.When.RESTORE` for ``c`` (the rollback's switch)."""
+        ctx = self.remedies.context(io, When.RESTORE, cls=c)
+        return row(c.cause).rolls_back and bool(self.remedies.takers(When.RESTORE, ctx))
 
     def after_restore(self, c: Classification, io: GuardIO, payload: Payload,
-                      incident: int) -> Tuple[List[Change], List[str]]:
-        """After a rollback: what the restore undid brought back (a backoff re-applied to an older state), the
-        ladder's later rungs, then every rollback's own remedies. Returns (changes, modules started afresh)."""
-        ctx = self.context(io, incident=incident, cls=c, extra={"restored": payload})
-        for remedy in self.registry:
-            remedy.restored(ctx)
-        changes: List[Change] = []
-        if c.cause in (Cause.DYNAMICS, Cause.UNKNOWN) and 1 <= self.rung <= len(LADDER):
-            changes = [change for remedy in self.registry.of_rung(self.rung) if remedy.when == When.AFTER_RESTORE
-                       for change in remedy.apply(ctx)]
-        fresh = [name for remedy in self.registry if remedy.when == When.AFTER_ROLLBACK
-                 for name in remedy.after_rollback(ctx)]
-        return changes, fresh
+                      incident: int) -> Tuple[Classification, List[Change], List[str]]:
+        """After a rollback: what the restore undid brought back (the remedies whose restore tags differ), the
+        ladder's later rungs, then every rollback's own remedies. Returns (the class with what they add to its
+        evidence, the changes, the modules started afresh)."""
+        changes = list(self.remedies.restored(io, payload.tags, cls=c, incident=incident).changes)
+        names = self._dynamics() if c.cause in (Cause.DYNAMICS, Cause.UNKNOWN) else None
+        if names is None or names:
+            ctx = self.remedies.context(io, When.AFTER_RESTORE, cls=c, incident=incident, history=self.history)
+            outcome = self.remedies.fire(When.AFTER_RESTORE, ctx, names)
+            changes += outcome.changes
+            c = outcome.applied_to(c)
+        return c, changes, self.fresh_state(io)
+
+    def spent(self, c: Classification, io: GuardIO, samples: Sequence[Dict[str, Any]]) -> Classification:
+        """The recovery budget is spent on class ``c``: what its remedies name (every bad sample for data)."""
+        return self.event(When.SPENT, io, c, samples=samples).applied_to(c)
 
     def held(self, iteration: int) -> Optional[str]:
         """A recovery held (a state taken after it is confirmed): the chain ends; the rung that held, if any, is
         recorded with the newest incident (persisted with the guard's state)."""
         rung, self.rung = self.rung, 0
+        name = self.ladder[rung - 1].name if 1 <= rung <= len(self.ladder) else None
         last = self.history.last()
         if last is not None and "held" not in last:
-            last["held"] = {"iteration": iteration, "rung": LADDER[rung - 1].name if rung else None}
-        return LADDER[rung - 1].name if rung else None
+            last["held"] = {"iteration": iteration, "rung": name}
+        return name
 
     def record(self, c: Classification, iteration: int, restored_to: Optional[int]) -> None:
         """Remembers the incident by what its evidence showed (a data incident handled by the ladder is data)."""
@@ -161,19 +331,38 @@ class CausePolicy:
         self.history.incidents[-1]["quarantined"] = bool(c.signals.get("quarantined") or c.signals.get("refused"))
 
     # ------------------------------------------------------------------ the ladder
-    def _climb(self, ctx: Context) -> List[Change]:
+    def _dynamics(self) -> Tuple[str, ...]:
+        """The remedies a dynamics incident fires: the current rung's, then any other declaring the class."""
+        rung = self.ladder[self.rung - 1].remedies if 1 <= self.rung <= len(self.ladder) else ()
+        on_ladder = {n for r in self.ladder for n in r.remedies}
+        return rung + tuple(n for n, r in self.remedies.by_name.items()
+                            if Cause.DYNAMICS in r.causes and n not in on_ladder and When.RESTORE not in r.events)
+
+    def _climb(self, ctx: Any) -> Tuple[Classification, Optional[Tuple[str, ...]]]:
+        """The next rung for a dynamics incident: (the class, the remedies to fire; structural past the last)."""
         c = ctx.cls
         self.rung += 1
-        if self.rung == 1 and all(r.in_effect(ctx) for r in self.registry.of_rung(1)):
+        first = [self.remedies.get(n) for n in self.ladder[0].remedies] if self.ladder else []
+        if self.rung == 1 and all(not r.enabled or r.in_effect(ctx) for r in first):
             # A rollback that changes nothing is a rollback spent: a new chain starts at the next rung.
             self.rung = 2
-            c.evidence += "; the known manual fix is in force already: the next rung"
-        if self.rung > len(LADDER):
+            c = c.but(evidence=c.evidence + f"; {self.ladder[0].name} is in force already: the next rung")
+        if self.rung > len(self.ladder):
             self.history.mark_spent(Cause.DYNAMICS, "every rung of the ladder was tried")
-            c.cause = Cause.STRUCTURAL
-            c.evidence += f"; divergences kept coming after every rung ({', '.join(r.name for r in LADDER)})"
-            return []
-        members = self.registry.of_rung(self.rung)
-        for remedy in members:
-            remedy.prepare(ctx)
-        return [change for remedy in members if remedy.when == When.BEFORE_RESTORE for change in remedy.apply(ctx)]
+            rungs = ", ".join(r.name for r in self.ladder)
+            return c.but(cause=Cause.STRUCTURAL,
+                         evidence=c.evidence + f"; divergences kept coming after every rung ({rungs})"), ()
+        return c, self._dynamics()
+
+
+class _Union:
+    """Dataset indices any of several containers holds (several remedies filtering what the loader serves)."""
+
+    def __init__(self, parts: List[Any]) -> None:
+        self.parts = parts
+
+    def __contains__(self, index: Any) -> bool:
+        return any(index in part for part in self.parts)
+
+    def __bool__(self) -> bool:
+        return any(bool(part) for part in self.parts)

@@ -7,6 +7,7 @@ path's, never are).
 """
 import uuid
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -14,7 +15,6 @@ import torch
 from .. import distributed
 from ..errors import UnsafeCheckpointError
 from ..port import GuardIO, Payload
-from ..remedies.lr import LrBackoff
 from ..tree import iter_tensors, nbytes
 from ..watch.health import all_finite, first_nonfinite
 from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
@@ -68,11 +68,15 @@ class RestorePoints:
         confirm_steps: clean steps after a snapshot before it counts as healthy.
         from_checkpoints: offer this run's own finite checkpoints after the in-memory states.
         node_copies: ``snapshot_copies='node'``: one copy per node, on its lowest rank.
+        tags_of: the remedies' restore tags in a checkpoint's guard state (:meth:`~..remedies.registry.Remedies.
+            tags_in`). Defaults to None (none).
     """
 
     def __init__(self, io: GuardIO, keep: int, confirm_steps: int, from_checkpoints: bool,
-                 node_copies: bool) -> None:
+                 node_copies: bool, tags_of: Optional[Callable[[Optional[Dict[str, Any]]], Dict[str, Any]]] = None
+                 ) -> None:
         self.io = io
+        self.tags_of = tags_of or (lambda _: {})
         self.ring = SnapshotRing(keep, confirm_steps)
         self.start: Optional[Snapshot] = None
         self.from_checkpoints = from_checkpoints
@@ -82,7 +86,8 @@ class RestorePoints:
         self._foreign_logged = False
 
     # ------------------------------------------------------------------ taking states
-    def take(self, iteration: int, epoch: int, recycle: bool, generation: int, lr_factor: float) -> Snapshot:
+    def take(self, iteration: int, epoch: int, recycle: bool, generation: int,
+             tags: Optional[Dict[str, Any]] = None) -> Snapshot:
         """A host copy of the live state. Pinned host memory and asynchronous copies where the model lives on a
         GPU, with an event marking their end: no host wait here (the copies are queued on the current stream ahead
         of anything that writes the state again; docs/gpu.md says why not a side stream); the host waits only when
@@ -95,7 +100,7 @@ class RestorePoints:
             pin = device is not None and device.type == "cuda"
             payload = copy_to_host(self.io.capture(), reuse=self.ring.recyclable() if recycle else None, pin=pin)
         return Snapshot(iteration, epoch, payload, nbytes=nbytes(payload), copied=copies_done(pin, device),
-                        generation=generation, lr_factor=lr_factor)
+                        generation=generation, tags=MappingProxyType(dict(tags or {})))
 
     def healthy(self) -> Optional[Snapshot]:
         """The newest state known healthy: the newest confirmed snapshot, else the start state."""
@@ -158,7 +163,7 @@ class RestorePoints:
         if self.node_copies and distributed.is_distributed():
             group, leader, _ = distributed.node_group()
             state = distributed.broadcast_payload(state, src=leader, group=group, known_structure=True)
-        return Payload(state, snap.iteration, snap.epoch, source=source, lr_factor=snap.lr_factor)
+        return Payload(state, snap.iteration, snap.epoch, source=source, tags=snap.tags)
 
     def _holds_no_tensors(self) -> bool:
         if not self.node_copies or not distributed.is_distributed():
@@ -171,14 +176,14 @@ class RestorePoints:
         # no shared filesystem is needed and every rank restores the same state (or gives up together).
         found = self._read_own_checkpoint(now, tried) if distributed.get_rank() == 0 else None
         meta = distributed.broadcast_object(
-            None if found is None else (found.source, found.iteration, found.epoch, found.lr_factor))
+            None if found is None else (found.source, found.iteration, found.epoch, dict(found.tags)))
         if meta is None:
             return None
         state = distributed.broadcast_payload(found.state if found is not None else None)
         if found is None:
             self.io.log(f"NanGuard: received checkpoint {meta[0]} from rank 0")
         tried.add(meta[0])
-        return Payload(state, meta[1], meta[2], source=meta[0], strict=False, lr_factor=meta[3])
+        return Payload(state, meta[1], meta[2], source=meta[0], strict=False, tags=meta[3])
 
     def _candidates(self, now: int, tried: Set[str]) -> List[Tuple[int, str, Payload]]:
         candidates: List[Tuple[int, str, Payload]] = []
@@ -195,7 +200,7 @@ class RestorePoints:
             if (guard_state or {}).get("run_id") != self.run_id or payload.iteration > now:
                 foreign.append(f"{path} (iter {payload.iteration})")
                 continue
-            payload.lr_factor = LrBackoff.factor_in(guard_state)
+            payload.tags = self.tags_of(guard_state)
             candidates.append((payload.iteration, path, payload))
         if foreign and not self._foreign_logged:
             self._foreign_logged = True

@@ -2,7 +2,7 @@
 import copy
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -129,7 +129,7 @@ class Snapshot:
         copied: the event that marks the end of its device-to-host copies (None when they were synchronous).
         generation: the guard's recovery count when it was taken (a confirmed snapshot of the current generation
             means the latest recovery held).
-        lr_factor: the product of learning-rate backoffs in force when it was taken.
+        tags: what the remedies recorded with it (:attr:`~..port.Payload.tags`).
     """
 
     iteration: int
@@ -139,7 +139,7 @@ class Snapshot:
     nbytes: int = field(default=0)
     copied: Any = field(default=None, repr=False)
     generation: int = 0
-    lr_factor: float = 1.0
+    tags: Mapping[str, Any] = field(default_factory=dict)
 
     def ready_payload(self) -> Dict[str, Any]:
         """The payload, after its asynchronous copies (if any) have landed; the only way the host should read it.

@@ -2,8 +2,8 @@
 looser than the configured (or the clip remedy's) ``max_norm``."""
 from typing import Any, Dict, List
 
-from .base import Context, Remedy, When
-from .change import Change
+from ..validate import Setting, is_bool
+from .base import Change, Context, Remedy, When
 from .clip import ClipRemedy
 
 __all__ = ["AdaptiveClip"]
@@ -11,33 +11,31 @@ __all__ = ["AdaptiveClip"]
 
 class AdaptiveClip(Remedy):
     """Switched by ``adaptive_clip`` (not ``remedies=``); reads the grad-norm monitor the watch keeps
-    (``ctx.extra['spikes']``)."""
+    (``ctx.extra['spikes']``) and follows the clip remedy's bound after each incident."""
 
     name = "adaptive_clip"
-    switched = False
-    when = When.HEALTHY
+    label = "adaptive clip"
+    switch = "adaptive_clip"
+    events = (When.START, When.HEALTHY, When.HANDLED)
+    settings = (Setting("adaptive_clip", False, is_bool, "clip at the recent mean + ``spike_z`` standard deviations "
+                        "of grad_norm, never looser than the configured ``max_norm`` (docs/demo.md says when it "
+                        "helps)."),)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         #: The configured max_norm per clip setting (lowered by the clip remedy): never clipped above.
         self.base: Dict[str, float] = {}
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.config.adaptive_clip)
-
-    def resume(self, io: Any) -> None:
-        self.base = {c.name: c.max_norm for c in io.clip_settings() if c.kind == "norm"}
-
     def apply(self, ctx: Context) -> List[Change]:
-        spikes = ctx.extra["spikes"]
-        if self.enabled and spikes.ready:
+        if ctx.event == When.START:
+            self.base = {c.name: c.max_norm for c in ctx.io.clip_settings() if c.kind == "norm"}
+        elif ctx.event == When.HANDLED:
+            clip = ctx.peers.get(ClipRemedy.name)
+            for name, value in (clip.bounds if isinstance(clip, ClipRemedy) else {}).items():
+                self.base[name] = min(self.base.get(name, value), value)
+        elif ctx.extra["spikes"].ready:
             for clip in ctx.io.clip_settings():
                 base = self.base.get(clip.name)
                 if clip.kind == "norm" and base is not None:
-                    clip.set_max_norm(spikes.clip_bound(base))
+                    clip.set_max_norm(ctx.extra["spikes"].clip_bound(base))
         return []
-
-    def after_incident(self, ctx: Context) -> None:
-        for name, value in ctx.remedies.get(ClipRemedy.name).bounds.items():
-            self.base[name] = min(self.base.get(name, value), value)

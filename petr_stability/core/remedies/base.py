@@ -1,135 +1,205 @@
-"""What a remedy is: one object with its name, the causes it serves, when it acts, what it changes and its state.
+"""What a remedy is: one vertical slice, in one file, that the incident chain reaches through events only.
 
-Each remedy file holds its pure function(s) and one :class:`Remedy` subclass; :mod:`.registry` lists them, and
-everything else (``remedies=``, :data:`~..causes.CAUSE_TABLE`'s remedies, the dynamics ladder, the checkpoint state,
-the summary and the patched config) is read from there.
+A remedy declares what it matches (the events of :class:`When` it takes, the incident classes it serves), does its
+work in :meth:`Remedy.apply` and returns an :class:`Outcome` (what it changed, and what that adds to the evidence),
+declares its settings (:class:`~..validate.Setting`, validated and documented where the remedy is), its state (the
+attributes one generic pass saves in every checkpoint, :attr:`Remedy.state`) and restore tags (those a restore point
+records, :attr:`Remedy.tags`), its summary and its patched-config entry (:meth:`Remedy.config_entry`). The registry
+(:mod:`.registry`) calls a remedy only for an event it matches; a remedy that never acts is never called on an
+incident. A user's package registers its own with :func:`~.registry.register_remedy` (docs/remedies.md).
 """
+import copy
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..causes import Cause, Classification
-from .change import Change
+from ..port import Change
+from ..validate import Setting
 
-__all__ = ["When", "Context", "Remedy"]
+__all__ = ["When", "Change", "Outcome", "ConfigEntry", "Context", "Remedy", "Setting"]
 
 
 class When(str, enum.Enum):
-    """The point of the run at which a remedy acts."""
+    """The events of a run the incident chain (and the watch) fire at remedies."""
 
-    BEFORE_RESTORE = "before restore"  #: with the failing step at hand (its batch, its gradients)
-    AFTER_RESTORE = "after restore"  #: what a restore puts back must be changed after it
-    RESTORE = "restore"  #: the rollback itself (the incident chain's restore step)
-    AFTER_ROLLBACK = "after rollback"  #: after every rollback, whatever the class
-    STALLED = "stalled"  #: a static loss scale skipped step after step
+    START = "start"  #: before the first iteration: re-apply what a resumed state or the patched config carries
+    ATTACH = "attach data"  #: the training loader exists: what it must never serve (:attr:`Outcome.exclude`)
     HEALTHY = "healthy step"  #: every healthy optimizer step
-    RECURRING = "recurring sample"  #: a sample made steps go wrong in two epochs
+    SKIPPED = "skipped step"  #: a step went wrong without diverging, and evidence names samples of its batch
+    STALLED = "stalled"  #: a static loss scale skipped step after step
+    BEFORE_RESTORE = "before restore"  #: a divergence, with the failing step at hand (its batch, its gradients)
+    RESTORE = "restore"  #: whether the incident rolls back (a remedy matching it is the rollback's switch)
+    RESTORED = "restored"  #: a restore put back a state whose tags differ from the live ones: bring back what it undid
+    AFTER_RESTORE = "after restore"  #: what a restore puts back must be changed after it
+    AFTER_ROLLBACK = "after rollback"  #: after every rollback (and before a replay on healthy weights), any class
+    HANDLED = "incident handled"  #: an incident was handled (recovered, or a stalled scale made dynamic)
+    SPENT = "budget spent"  #: the recovery budget is spent on this class: name what the run stops on
 
 
-@dataclass
+@dataclass(frozen=True)
+class Outcome:
+    """What a remedy did at one event.
+
+    Attributes:
+        changes: the settings it changed (old and new values). Defaults to ().
+        evidence: appended to the class's evidence (``'; ...'``). Defaults to "".
+        signals: merged into the class's signals (JSON-ready). Defaults to {}.
+        cause: the class becomes this one (e.g. structural: the class's remedies are spent). Defaults to None.
+        exclude: at :attr:`When.ATTACH`, a container of dataset indices the loader must never serve. Defaults to None.
+    """
+
+    changes: Tuple[Change, ...] = ()
+    evidence: str = ""
+    signals: Mapping[str, Any] = field(default_factory=dict)
+    cause: Optional[Cause] = None
+    exclude: Any = None
+
+    @classmethod
+    def of(cls, result: Union["Outcome", Sequence[Change], None]) -> "Outcome":
+        """A remedy's return value as an :class:`Outcome` (a list of changes, or None, is accepted too)."""
+        if isinstance(result, Outcome):
+            return result
+        return cls(tuple(result or ()))
+
+    def applied_to(self, c: Classification) -> Classification:
+        """``c`` with this outcome's evidence, signals and class (a new object: classes are immutable)."""
+        if not (self.evidence or self.signals or self.cause):
+            return c
+        return c.but(cause=self.cause or c.cause, evidence=c.evidence + self.evidence,
+                     signals={**c.signals, **self.signals})
+
+
+@dataclass(frozen=True)
+class ConfigEntry:
+    """A remedy's part of the patched config: what the next run needs to start where this one stands.
+
+    Attributes:
+        fix: :class:`~petr_stability.configfix.ConfigFix` fields, written where the config keeps them (``max_norm``,
+            ``zero_dropout``, ``lr_factor``, ...). Defaults to {}.
+        carry: what the config cannot express, carried in the ``NanGuardHook`` entry (``carry={name: ...}``) and
+            given back to :meth:`Remedy.reapply` before the next run's first iteration. Defaults to {}.
+    """
+
+    fix: Mapping[str, Any] = field(default_factory=dict)
+    carry: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Context:
-    """What a remedy may read and change when it acts.
+    """What a remedy may read when it acts (plain data and the adapter; remedies return what they change).
 
     Attributes:
         io: the runner adapter (:class:`~..port.GuardIO`).
-        history: the run's :class:`~..diagnosis.classify.CauseHistory`.
+        config: the guard's settings.
+        event: the event fired.
+        cls: the agreed class of the incident, where there is one. Defaults to None.
         incident: this recovery's 1-based number (the clip schedule's index). Defaults to 0.
         iteration: the iteration it acts at. Defaults to 0.
-        cls: the agreed class of the divergence, where there is one (remedies may add to its evidence). Defaults to
-            None.
-        ids: the sample ids of the batches that broke. Defaults to [].
-        remedies: the run's remedies (:class:`~.registry.Remedies`), for one that reads another. Defaults to None.
-        extra: what one point of the run hands its remedies (the grad-norm monitor, a restored payload). Defaults
-            to {}.
+        samples: the samples evidence names (each a dict: ``index``, ids, ``rank``). Defaults to ().
+        epoch: the pass over the data the iteration belongs to. Defaults to 0.
+        history: the run's :class:`~..diagnosis.classify.CauseHistory`. Defaults to None.
+        restored: at :attr:`When.RESTORED`, the restored point's tags. Defaults to {}.
+        extra: what one point of the run hands its remedies (the grad-norm monitor). Defaults to {}.
+        peers: the run's other remedies by name, for one that follows another's setting. Defaults to {}.
     """
 
     io: Any
-    history: Any = None
+    config: Any
+    event: When
+    cls: Optional[Classification] = None
     incident: int = 0
     iteration: int = 0
-    cls: Optional[Classification] = None
-    ids: Sequence[Dict[str, Any]] = ()
-    remedies: Any = None
-    extra: Dict[str, Any] = field(default_factory=dict)
+    samples: Sequence[Mapping[str, Any]] = ()
+    epoch: int = 0
+    history: Any = None
+    restored: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    peers: Mapping[str, "Remedy"] = field(default_factory=dict)
 
 
 class Remedy:
-    """One remedy: subclasses set the class attributes and override what they do.
+    """One remedy. Subclasses set the class attributes and override what they do.
 
     Class attributes:
-        name: its ``remedies=`` name (how logs, records and docs call it).
-        switched: whether ``remedies=`` switches it (False: its own setting does, e.g. ``adaptive_clip``).
-        causes: the classes of :data:`~..causes.CAUSE_TABLE` it serves.
-        rung: its rung of the dynamics ladder (1-based; 0: none).
-        rung_name: the rung's name, given by the rung's first remedy.
-        when: when it acts (:class:`When`).
-        section: where its state sits in the guard's checkpoint state: ``''`` (top level) or ``'policy'``.
-        state_keys: its keys there (the layout test keeps every other file from naming them).
-        fixes: the patched config's :class:`~petr_stability.configfix.ConfigFix` field it fills, from which key of
-            its summary.
+        name: its ``remedies=`` name (how logs, records, docs and the registry call it).
+        causes: the incident classes it serves at :attr:`When.BEFORE_RESTORE` / :attr:`When.AFTER_RESTORE` (the
+            dynamics class's remedies are the ladder's rungs: ``ladder=``). Other events are for any class.
+        events: the events it takes; it is called for no other.
+        switch: ``'remedies'`` (on when ``remedies=`` names it) or the name of the bool setting that switches it.
+        settings: its settings (the hook's arguments it adds), validated and documented here.
+        state: the attributes saved in checkpoints by the registry's one generic pass (their values at construction
+            are the defaults an old checkpoint without them loads).
+        section: where its state sits in the guard's checkpoint state: None (its own, ``remedies.<name>``: what a
+            user's remedy gets), or, for the built-ins' layout, ``''`` (top level) or ``'policy'``.
+        tags: the :attr:`state` attributes each restore point records, so that a restore can bring them back
+            (:attr:`When.RESTORED` fires only where a restored tag differs from the live value).
+        idle: its summary while it has not acted (the registry reads it without calling the remedy).
+        label: how the cause table's action names it, with its settings' values filled in (``'learning rate x
+            {lr_backoff:g}'``).
 
     Args:
         config: the guard's settings (:class:`~..config.GuardConfig`).
     """
 
     name: str = ""
-    switched: bool = True
     causes: Tuple[Cause, ...] = ()
-    rung: int = 0
-    rung_name: str = ""
-    when: When = When.BEFORE_RESTORE
-    section: str = ""
-    state_keys: Tuple[str, ...] = ()
-    fixes: Tuple[Tuple[str, str], ...] = ()
+    events: Tuple[When, ...] = ()
+    switch: str = "remedies"
+    settings: Tuple[Setting, ...] = ()
+    state: Tuple[str, ...] = ()
+    section: Optional[str] = None
+    tags: Tuple[str, ...] = ()
+    idle: Mapping[str, Any] = {}
+    label: str = ""
 
     def __init__(self, config: Any) -> None:
         self.config = config
 
     @property
     def enabled(self) -> bool:
-        """Switched on for this run."""
-        return self.name in self.config.remedies
+        """Switched on for this run (read by the registry; a remedy need not check it)."""
+        if self.switch == "remedies":
+            return self.name in self.config.remedies
+        return bool(getattr(self.config, self.switch))
 
-    @classmethod
-    def rung_text(cls, config: Any) -> str:
-        """How the cause table's action names its rung with this run's settings."""
-        return cls.rung_name
+    def text(self) -> str:
+        """How the cause table's action names it: :attr:`label` with this run's values of its settings."""
+        return (self.label or self.name).format(**{s.name: getattr(self.config, s.name) for s in self.settings})
 
-    def prepare(self, ctx: Context) -> None:
-        """Reads what the remedy will need after the restore, while the failing step still exists."""
+    def match(self, ctx: Context) -> bool:
+        """Whether it acts at ``ctx`` beyond what it declares (an event it takes, a class it serves, switched on).
+        Defaults to True."""
+        return True
 
     def in_effect(self, ctx: Context) -> bool:
-        """Everything it would set is in force already (a rung whose remedies all are is skipped)."""
+        """Everything it would set is in force already (a rung whose remedies all are is skipped). Defaults to
+        False."""
         return False
 
-    def apply(self, ctx: Context) -> List[Change]:
-        """Acts; returns what it changed."""
-        return []
-
-    def restored(self, ctx: Context) -> None:
-        """A restore put back an older state (``ctx.extra['restored']``, the payload): bring back what it undid."""
-
-    def after_rollback(self, ctx: Context) -> List[str]:
-        """After every rollback; returns the names of what it started afresh."""
-        return []
-
-    def after_incident(self, ctx: Context) -> None:
-        """An incident was handled (recovered, or a stalled scale made dynamic)."""
-
-    def tags(self) -> Dict[str, Any]:
-        """What each restore point records of this remedy (so that a restore can bring it back)."""
-        return {}
-
-    def resume(self, io: Any) -> None:
-        """Re-applies what a resumed state recorded (once the runner's objects exist)."""
-
-    def state_dict(self) -> Dict[str, Any]:
-        """Its state, under :attr:`state_keys`."""
-        return {}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """The inverse of :meth:`state_dict` (missing keys: the defaults, so old checkpoints load)."""
+    def apply(self, ctx: Context) -> Union[Outcome, List[Change], None]:
+        """Acts at ``ctx.event``; returns what it changed (an :class:`Outcome`, or just a list of changes)."""
+        return None
 
     def summary(self, io: Any) -> Dict[str, Any]:
-        """Its part of the guard's summary (JSON-ready): the settings it put in force."""
-        return {}
+        """Its part of the guard's summary (JSON-ready) once it acted. Defaults to its :attr:`state` values."""
+        return {key: copy.deepcopy(getattr(self, key)) for key in self.state}
+
+    def config_entry(self, io: Any) -> ConfigEntry:
+        """What the patched config must hold once it acted. Defaults to carrying its :attr:`state` (given back to
+        :meth:`reapply` in the next run)."""
+        return ConfigEntry(carry={key: copy.deepcopy(getattr(self, key)) for key in self.state})
+
+    def reapply(self, carried: Mapping[str, Any], ctx: Context) -> List[Change]:
+        """The next run's start, from what :meth:`config_entry` carried: takes it as its state, then acts as at
+        :attr:`When.START`. Returns what that changed."""
+        for key in self.state:
+            if key in carried:
+                setattr(self, key, copy.deepcopy(carried[key]))
+        if When.START not in self.events or not self.match(ctx):
+            return []
+        return list(Outcome.of(self.apply(ctx)).changes)
+
+    def load_value(self, key: str, value: Any) -> Any:
+        """A state value read from a checkpoint, as the attribute holds it. Defaults to a copy of ``value``."""
+        return copy.deepcopy(value)

@@ -1,11 +1,11 @@
 """The clip remedy: ``max_norm = min(current, target)`` on every live clip setting, never loosening one."""
-import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from ...configfix.fix import KNOWN_MANUAL_FIX
+from ...configfix.patch import KNOWN_MANUAL_FIX
 from ..causes import Cause
-from .base import Context, Remedy, When
-from .change import Change
+from ..port import ClipSetting
+from ..validate import Setting, check_list, check_number, is_number
+from .base import Change, ConfigEntry, Context, Remedy, When
 
 __all__ = ["tighten_clip", "ClipRemedy"]
 
@@ -15,17 +15,18 @@ def tighten_clip(clip_kwargs: Optional[Dict[str, Any]], max_norm: float, target:
 
     Value clipping (``clip_value`` without ``max_norm``, MMEngine ``type='value'``) is left unchanged: a
     per-element bound of 1 is a different, far looser, constraint than a global norm of 1. Returns the
-    change, or None when nothing changed.
+    change (named ``target``), or None when nothing changed.
     """
-    if max_norm <= 0 or not math.isfinite(max_norm):
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-    if not clip_kwargs or "max_norm" not in clip_kwargs:
+    return ClipSetting(target, clip_kwargs).tighten(max_norm)
+
+
+def _schedule(name: str, value: Any) -> Optional[Tuple[float, ...]]:
+    if value is None:
         return None
-    current = float(clip_kwargs["max_norm"])
-    if current <= max_norm:
-        return None
-    clip_kwargs["max_norm"] = max_norm
-    return Change(target, current, max_norm)
+    targets = check_list(name, value)
+    if not targets:
+        raise ValueError(f"{name} must not be empty, got {value!r}")
+    return tuple(check_number(f"{name} entry", t) for t in targets)
 
 
 class ClipRemedy(Remedy):
@@ -33,51 +34,70 @@ class ClipRemedy(Remedy):
     incident); the bound it set per clip setting is re-applied on resume."""
 
     name = "clip"
+    label = KNOWN_MANUAL_FIX.format(max_norm=1)
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
-    rung = 1
-    rung_name = KNOWN_MANUAL_FIX.format(max_norm=1)
-    when = When.BEFORE_RESTORE
-    state_keys = ("clip",)
-    fixes = (("max_norm", "max_norm"),)
+    events = (When.START, When.BEFORE_RESTORE)
+    settings = (
+        Setting("max_norm", 1.0, is_number(), "target of the clip remedy, ``max_norm = min(current, target)``: the "
+                "known manual fix's 1."),
+        Setting("max_norm_schedule", None, _schedule, "optional targets per incident (``[10, 3, 1]`` tightens step "
+                "by step); the last one stays. Overrides ``max_norm``."),
+    )
+    state = ("clip",)
+    section = ""
+    idle = {"max_norm": None}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         #: The max_norm this remedy set, per clip setting.
-        self.bounds: Dict[str, float] = {}
+        self.clip: Dict[str, float] = {}
+
+    @property
+    def bounds(self) -> Dict[str, float]:
+        """The max_norm this remedy set, per clip setting."""
+        return dict(self.clip)
+
+    def target(self, incident: int) -> float:
+        """max_norm target for the ``incident``-th recovery (1-based)."""
+        schedule = self.config.max_norm_schedule
+        targets = list(schedule) if schedule is not None else [self.config.max_norm]
+        return float(targets[min(max(incident, 1), len(targets)) - 1])
 
     def in_effect(self, ctx: Context) -> bool:
-        target = self.config.clip_target(ctx.incident)
-        return not self.enabled or all(c.max_norm is not None and c.max_norm <= target
-                                       for c in ctx.io.clip_settings() if c.kind == "norm")
+        target = self.target(ctx.incident)
+        return all(c.max_norm is not None and c.max_norm <= target for c in ctx.io.clip_settings() if c.kind == "norm")
 
     def apply(self, ctx: Context) -> List[Change]:
-        if not self.enabled:
-            return []
+        if ctx.event == When.START:
+            return self._resume(ctx.io)
         changes: List[Change] = []
-        target = self.config.clip_target(ctx.incident)
+        target = self.target(ctx.incident)
         for clip in ctx.io.clip_settings():
             change = clip.tighten(target)
             if change:
                 changes.append(change)
             if clip.kind == "norm":
-                self.bounds[clip.name] = clip.max_norm
+                self.clip[clip.name] = clip.max_norm
             elif clip.kind == "value":
                 ctx.io.log(f"NanGuard: {clip.name} clips by value ({clip.kwargs}); the max_norm remedy does not "
                            "apply", "warning")
         return changes
 
-    def resume(self, io: Any) -> None:
+    def _resume(self, io: Any) -> List[Change]:
+        changes = []
         for clip in io.clip_settings():
-            if clip.name in self.bounds:
-                change = clip.tighten(self.bounds[clip.name])
+            if clip.name in self.clip:
+                change = clip.tighten(self.clip[clip.name])
                 if change:
                     io.log(f"NanGuard: resumed remedy {clip.name}: {change.old:g} -> {change.new:g}")
+                    changes.append(change)
+        return changes
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"clip": dict(self.bounds)}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.bounds = {str(k): float(v) for k, v in dict(state.get("clip", {})).items()}
+    def load_value(self, key: str, value: Any) -> Any:
+        return {str(k): float(v) for k, v in dict(value or {}).items()}
 
     def summary(self, io: Any) -> Dict[str, Any]:
-        return {"max_norm": min(self.bounds.values()) if self.bounds else None}
+        return {"max_norm": min(self.clip.values()) if self.clip else None}
+
+    def config_entry(self, io: Any) -> ConfigEntry:
+        return ConfigEntry(fix={"max_norm": min(self.clip.values())} if self.clip else {})

@@ -1,11 +1,11 @@
 """The dropout remedy: every drop probability of the detection head's transformer to 0, in place."""
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Iterable, List, Sequence, Tuple
 
 from torch import nn
 
 from ..causes import Cause
-from .base import Context, Remedy, When
-from .change import Change
+from ..validate import Setting, is_choice, is_names
+from .base import Change, ConfigEntry, Context, Remedy, When
 
 __all__ = ["TRANSFORMER_CLASSES", "DROPOUT_FLOAT_ATTRS", "zero_transformer_dropout", "DropoutRemedy"]
 
@@ -100,40 +100,38 @@ class DropoutRemedy(Remedy):
     ``dropout_exclude``), again on resume."""
 
     name = "dropout"
+    label = "transformer dropout 0"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
-    rung = 1
-    when = When.BEFORE_RESTORE
-    state_keys = ("dropout_zeroed",)
-    fixes = (("zero_dropout", "dropout_zeroed"),)
+    events = (When.START, When.BEFORE_RESTORE)
+    settings = (
+        Setting("dropout_scope", "transformer", is_choice("transformer", "all"), "``'transformer'`` (the detection "
+                "head's transformer: every descendant of the classes in ``TRANSFORMER_CLASSES``) or ``'all'``."),
+        Setting("dropout_exclude", ("backbone", "img_backbone"), is_names, "module-name prefixes whose dropout is "
+                "left alone (a backbone's DropPath is a regularizer, not the fault)."),
+    )
+    state = ("dropout_zeroed",)
+    section = ""
+    idle = {"dropout_zeroed": False}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.dropout_zeroed = False
 
-    def _zero(self, io: Any) -> List[Change]:
-        return zero_transformer_dropout(io.model(), self.config.dropout_scope, self.config.dropout_exclude)
-
     def in_effect(self, ctx: Context) -> bool:
-        return not self.enabled or self.dropout_zeroed
+        return self.dropout_zeroed
+
+    def match(self, ctx: Context) -> bool:
+        return ctx.event != When.START or self.dropout_zeroed
 
     def apply(self, ctx: Context) -> List[Change]:
-        if not self.enabled:
-            return []
-        changes = self._zero(ctx.io)
+        changes = zero_transformer_dropout(ctx.io.model(), self.config.dropout_scope, self.config.dropout_exclude)
+        if ctx.event == When.START and changes:
+            ctx.io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
         self.dropout_zeroed = True
         return changes
 
-    def resume(self, io: Any) -> None:
-        if self.dropout_zeroed:
-            changes = self._zero(io)
-            if changes:
-                io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
+    def load_value(self, key: str, value: Any) -> Any:
+        return bool(value)
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"dropout_zeroed": self.dropout_zeroed}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.dropout_zeroed = bool(state.get("dropout_zeroed", False))
-
-    def summary(self, io: Any) -> Dict[str, Any]:
-        return {"dropout_zeroed": self.dropout_zeroed}
+    def config_entry(self, io: Any) -> ConfigEntry:
+        return ConfigEntry(fix={"zero_dropout": True})

@@ -6,8 +6,8 @@ from torch import nn
 
 from ..causes import Cause
 from ..flags import autocast_off
-from .base import Context, Remedy, When
-from .change import Change
+from ..validate import Setting, is_names
+from .base import Change, ConfigEntry, Context, Outcome, Remedy, When
 
 __all__ = ["force_fp32", "release_fp32", "is_fp32", "fp32_modules", "apply_fp32", "Fp32Remedy"]
 
@@ -124,42 +124,51 @@ class Fp32Remedy(Remedy):
     ``fp32_modules``, from the start; again on resume."""
 
     name = "fp32"
+    label = "module in fp32"
     causes = (Cause.FORWARD_OVERFLOW,)
-    when = When.BEFORE_RESTORE
+    events = (When.START, When.BEFORE_RESTORE)
+    settings = (Setting("fp32_modules", (), is_names, "modules (names as ``model.named_modules()`` gives them) run "
+                        "in fp32 from the start: what an earlier run's forward-overflow remedy learnt, as its patched "
+                        "config carries it."),)
+    state = ("fp32",)
     section = "policy"
-    state_keys = ("fp32",)
-    fixes = (("fp32_modules", "fp32_modules"),)
+    idle = {"fp32_modules": {}}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.fp32: List[str] = []
 
-    def apply(self, ctx: Context) -> List[Change]:
-        c = ctx.cls
-        if all(m in self.fp32 for m in c.modules):
-            ctx.history.mark_spent(Cause.FORWARD_OVERFLOW, f"{c.modules} already run in fp32")
-            c.cause = Cause.STRUCTURAL
-            c.evidence += "; the module already runs in fp32"
-            return []
-        changes = apply_fp32(ctx.io.model(), c.modules)
-        self.fp32.extend(m for m in c.modules if m not in self.fp32)
-        return changes
+    def match(self, ctx: Context) -> bool:
+        return ctx.event != When.START or bool(self.fp32 or self.config.fp32_modules)
 
-    def resume(self, io: Any) -> None:
-        for change in apply_fp32(io.model(), self.fp32):
+    def apply(self, ctx: Context) -> Outcome:
+        if ctx.event == When.START:
+            return Outcome(tuple(self._resume(ctx.io)))
+        modules = list(ctx.cls.modules)
+        if all(m in self.fp32 for m in modules):
+            return Outcome(evidence="; the module already runs in fp32", cause=Cause.STRUCTURAL)
+        changes = apply_fp32(ctx.io.model(), modules)
+        self.fp32.extend(m for m in modules if m not in self.fp32)
+        return Outcome(tuple(changes))
+
+    def _resume(self, io: Any) -> List[Change]:
+        changes = apply_fp32(io.model(), self.fp32)
+        for change in changes:
             io.log(f"NanGuard: resumed remedy: {change.target} runs in fp32")
         configured = [m for m in self.config.fp32_modules if m not in self.fp32]
         for change in apply_fp32(io.model(), configured):
             io.log(f"NanGuard: {change.target} runs in fp32 (fp32_modules)")
+            changes.append(change)
         self.fp32.extend(configured)
+        return changes
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"fp32": list(self.fp32)}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.fp32 = list(state.get("fp32", []))
+    def load_value(self, key: str, value: Any) -> Any:
+        return [str(m) for m in value or []]
 
     def summary(self, io: Any) -> Dict[str, Any]:
         model = io.model()
         return {"fp32_modules": {m: type(model if m == "(model)" else model.get_submodule(m)).__name__
                                  for m in self.fp32}}
+
+    def config_entry(self, io: Any) -> ConfigEntry:
+        return ConfigEntry(fix=self.summary(io))

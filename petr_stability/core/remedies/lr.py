@@ -1,10 +1,10 @@
 """The learning-rate remedy: the rate times a factor, now and in every later value of its schedules."""
 import math
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Iterable, List
 
 from ..causes import Cause
-from .base import Context, Remedy, When
-from .change import Change
+from ..validate import Setting, is_number
+from .base import Change, ConfigEntry, Context, Remedy, When
 
 __all__ = ["scale_lr", "LrBackoff"]
 
@@ -89,51 +89,37 @@ def scale_lr(optimizers: Iterable[Any], factor: float, schedulers: Iterable[Any]
 
 class LrBackoff(Remedy):
     """The ladder's second rung: every learning rate (and schedule) times ``lr_backoff``. It lasts: a restore to a
-    state from before a backoff brings that state's rates back to the run's factor."""
+    state from before a backoff brings that state's rates back to the run's factor (its restore tag)."""
 
     name = "lr"
+    label = "learning rate x {lr_backoff:g} (schedules too)"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
-    rung = 2
-    rung_name = "learning rate backoff"
-    when = When.AFTER_RESTORE
+    events = (When.AFTER_RESTORE, When.RESTORED)
+    settings = (Setting("lr_backoff", 0.5, is_number(0.0, 1.0), "learning-rate factor of the dynamics ladder's "
+                        "second rung (every param group and schedule)."),)
+    state = ("lr_factor",)
     section = "policy"
-    state_keys = ("lr_factor",)
-    fixes = (("lr_factor", "lr_factor"),)
+    tags = ("lr_factor",)
+    idle = {"lr_factor": 1.0}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         #: The product of every learning-rate backoff so far.
         self.lr_factor = 1.0
 
-    @classmethod
-    def rung_text(cls, config: Any) -> str:
-        return f"learning rate x {config.lr_backoff:g} (schedules too)"
-
-    @staticmethod
-    def factor_in(guard_state: Optional[Mapping[str, Any]]) -> float:
-        """The factor in force in a checkpoint's guard state (1.0 where it has none)."""
-        return float(((guard_state or {}).get("policy") or {}).get("lr_factor", 1.0))
-
-    def tags(self) -> Dict[str, Any]:
-        return {"lr_factor": self.lr_factor}
-
-    def restored(self, ctx: Context) -> None:
-        payload = ctx.extra["restored"]
-        if ctx.io.restores_lr() and payload.lr_factor != self.lr_factor:
-            # The restored optimizer and schedules predate a backoff: bring them back to the run's factor.
-            scale_lr(ctx.io.optimizers(), self.lr_factor / payload.lr_factor, ctx.io.restored_lr_schedulers())
+    def match(self, ctx: Context) -> bool:
+        return ctx.event != When.RESTORED or ctx.io.restores_lr()
 
     def apply(self, ctx: Context) -> List[Change]:
-        if not self.enabled:
-            return []
+        if ctx.event == When.RESTORED:
+            # The restored optimizer and schedules predate a backoff: bring them back to the run's factor.
+            then = float(ctx.restored.get("lr_factor", 1.0))
+            return scale_lr(ctx.io.optimizers(), self.lr_factor / then, ctx.io.restored_lr_schedulers())
         self.lr_factor *= self.config.lr_backoff
         return scale_lr(ctx.io.optimizers(), self.config.lr_backoff, ctx.io.lr_schedulers())
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"lr_factor": self.lr_factor}
+    def load_value(self, key: str, value: Any) -> Any:
+        return float(value)
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.lr_factor = float(state.get("lr_factor", 1.0))
-
-    def summary(self, io: Any) -> Dict[str, Any]:
-        return {"lr_factor": self.lr_factor}
+    def config_entry(self, io: Any) -> ConfigEntry:
+        return ConfigEntry(fix={"lr_factor": self.lr_factor} if self.lr_factor != 1.0 else {})

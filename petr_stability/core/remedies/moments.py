@@ -8,8 +8,8 @@ from torch import nn
 
 from ..causes import Cause
 from ..flags import HAS_FOREACH_NORM
-from .base import Context, Remedy, When
-from .change import Change
+from ..validate import Setting, is_number
+from .base import Change, Context, Remedy, When
 
 __all__ = ["reset_moments", "exploded_params", "MomentsReset"]
 
@@ -89,26 +89,24 @@ def exploded_params(model: nn.Module, threshold_ratio: float = 100.0) -> List[st
 
 class MomentsReset(Remedy):
     """The ladder's third rung: the optimizer moments of the tensors whose gradients exploded (``exploded_ratio``
-    times the median), cleared after the restore; every tensor's where none is named."""
+    times the median), named before the restore and cleared after it; every tensor's where none is named."""
 
     name = "moments"
+    label = "optimizer moments reset"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
-    rung = 3
-    rung_name = "optimizer moments reset"
-    when = When.AFTER_RESTORE
+    events = (When.BEFORE_RESTORE, When.AFTER_RESTORE)
+    settings = (Setting("exploded_ratio", 100.0, is_number(1.0), "on the ladder's third rung, tensors whose "
+                        "gradient norm is this many times the median have their optimizer moments reset."),)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.exploded: List[str] = []
 
-    def prepare(self, ctx: Context) -> None:
-        # Named now, while the failing step's gradients are still there (MMCV 1.x keeps them; where the runner
-        # already zeroed them, every tensor's moments are reset).
-        if self.enabled:
-            self.exploded = exploded_params(ctx.io.model(), self.config.exploded_ratio)
-
     def apply(self, ctx: Context) -> List[Change]:
-        if not self.enabled:
+        if ctx.event == When.BEFORE_RESTORE:
+            # Named now, while the failing step's gradients are still there (MMCV 1.x keeps them; where the runner
+            # already zeroed them, every tensor's moments are reset).
+            self.exploded = exploded_params(ctx.io.model(), self.config.exploded_ratio)
             return []
         params = dict(ctx.io.model().named_parameters())
         names = self.exploded or list(params)

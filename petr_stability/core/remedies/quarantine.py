@@ -9,12 +9,11 @@ import math
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..causes import Cause
-from ..errors import BadDataError
 from ..samples import key as _key
 from ..samples import resolve_indices
+from ..validate import Setting, check_indices, check_number, is_bool
 from ..wrappers import describe, indices_serving, sample_of, wraps
-from .base import Context, Remedy, When
-from .change import Change
+from .base import Change, ConfigEntry, Context, Outcome, Remedy, When
 
 __all__ = ["SkipList", "QuarantineSampler", "Quarantine", "short_samples", "bad_data_advice"]
 
@@ -271,7 +270,8 @@ class QuarantineSampler:
 
 def short_samples(samples: List[Dict[str, Any]], limit: int = 4) -> str:
     """``(index=3, token=a), (index=9)`` and how many more: samples as one log line names them."""
-    shown = ", ".join(", ".join(f"{k}={v}" for k, v in s.items() if k not in ("dataset", "served_as")).join("()")
+    hidden = ("dataset", "served_as", "evidence")
+    shown = ", ".join(", ".join(f"{k}={v}" for k, v in s.items() if k not in hidden).join("()")
                       for s in samples[:limit])
     return shown + (f" and {len(samples) - limit} more" if len(samples) > limit else "")
 
@@ -283,51 +283,90 @@ def bad_data_advice(every: List[Dict[str, Any]]) -> str:
             "samples, or raise quarantine_fraction")
 
 
+def _pinned(name: str, value: Any) -> Tuple[int, ...]:
+    return tuple(check_indices(name, value))
+
+
+def _fraction(name: str, value: Any) -> float:
+    number = check_number(name, value, above=0.0)
+    if number > 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return number
+
+
 class Quarantine(Remedy):
-    """Data: the broken batch's samples are never served again, under any index that serves them (a resampling
-    wrapper's copies included), within ``quarantine_fraction`` of the dataset's samples; a sample that made steps go
-    wrong in two epochs too (``quarantine_recurring``). A sample the bound refuses is named in the record as refused
-    and its batch skipped; when a refused sample breaks the run again, the run stops with
+    """Data: the samples evidence names (their own non-finite values, a replay on the healthy state that isolates
+    them, the window trace) are never served again, under any index that serves them (a resampling wrapper's copies
+    included), within ``quarantine_fraction`` of the dataset's samples; a sample evidence names at two skipped steps
+    too (two epochs, or two indices: ``quarantine_recurring``). A sample the bound refuses is named in the record as
+    refused and its batch skipped; when a refused sample breaks the run again, the run stops with
     :class:`~..errors.BadDataError`, naming every bad sample found (the patched config quarantines them all). The
     skip list, the sightings and the refused samples ride in the checkpoint; ``quarantine`` pins indices from the
     start."""
 
     name = "quarantine"
+    label = "quarantine"
     causes = (Cause.DATA,)
-    when = When.BEFORE_RESTORE
+    events = (When.ATTACH, When.BEFORE_RESTORE, When.SKIPPED, When.SPENT)
+    settings = (
+        Setting("quarantine_fraction", 0.001, _fraction, "at most this fraction of the dataset's "
+                "samples is quarantined as bad data (at least one); a batch past it is refused and skipped, and "
+                "refused samples that break the run again stop it with ``BadDataError``."),
+        Setting("quarantine", (), _pinned, "dataset indices never served, from the start (an earlier run's "
+                "quarantine, as its patched config carries it); they do not use up this run's "
+                "``quarantine_fraction``."),
+        Setting("quarantine_recurring", True, is_bool, "a sample evidence names at skipped steps (an fp32 step "
+                "skipped, an fp16 step whose forward is non-finite) in two different epochs, or under two indices, "
+                "is quarantined within ``quarantine_fraction``."),
+    )
+    state = ("skip", "sightings", "refused_samples")
     section = "policy"
-    state_keys = ("skip", "sightings", "refused_samples")
-    fixes = (("quarantine", "bad_samples"),)
+    idle = {"quarantined": [], "refused": [], "bad_samples": []}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self.skip: Optional[SkipList] = None
-        #: Sample -> the (at most two) [epoch, dataset index] at which it made a step go wrong.
+        #: The skip list as the checkpoint holds it (:meth:`SkipList.state_dict`; None while empty).
+        self.skip: Optional[Dict[str, Any]] = None
+        #: Sample -> the (at most two) [epoch, dataset index] at which evidence named it at a skipped step.
         self.sightings: Dict[str, List[List[int]]] = {}
         #: Sample -> how its record named it, for the samples the bound refused.
-        self.refused: Dict[str, Dict[str, Any]] = {}
+        self.refused_samples: Dict[str, Dict[str, Any]] = {}
+        #: The live skip list the training loader's sampler honours (from :attr:`When.ATTACH` on).
+        self.skip_list: Optional[SkipList] = None
 
-    def skip_list(self, io: Any) -> Any:
-        """The quarantine the training loader's sampler honours, sized for its dataset (once the loader exists):
-        a :class:`SkipList` carrying a resumed run's quarantine and the ``quarantine`` argument, or an empty set where
-        the quarantine is off."""
-        if not self.enabled:
-            return set()
+    def apply(self, ctx: Context) -> Outcome:
+        if ctx.event == When.ATTACH:
+            return Outcome(exclude=self._attach(ctx.io))
+        if ctx.event == When.SPENT:
+            return Outcome(signals={"bad_data": self.spent(ctx.io.dataset(), ctx.samples)})
+        if ctx.event == When.SKIPPED:
+            return self._recurring(ctx)
+        if self.skip_list is None:
+            return Outcome(evidence="; no training loader to quarantine through: nothing quarantined")
+        return self._incident(ctx)
+
+    def _attach(self, io: Any) -> SkipList:
+        """The quarantine the training loader's sampler honours, sized for its dataset: a resumed run's quarantine and
+        the ``quarantine`` argument."""
         pinned = list(self.config.quarantine)
         skip = SkipList(io.dataset_size(), max_fraction=self.config.quarantine_fraction, allowance=len(pinned))
-        if self.skip is not None:
-            skip.load_state_dict(self.skip.state_dict())
-            if len(skip):
-                io.log(f"NanGuard: resumed quarantine of {skip.samples} sample(s): dataset indices {list(skip)}")
+        if self.skip:
+            skip.load_state_dict(self.skip)
+            io.log(f"NanGuard: resumed quarantine of {skip.samples} sample(s): dataset indices {list(skip)}")
         if pinned:
             skip.add(pinned, {"from": "quarantine"})
             io.log(f"NanGuard: {len(pinned)} sample(s) quarantined from the start (quarantine): dataset indices "
                    f"{pinned}")
-        self.skip = skip
+        self.skip_list = skip
+        self._sync()
         return skip
 
+    def _sync(self) -> None:
+        self.skip = self.skip_list.state_dict() if self.skip_list is not None and len(self.skip_list) else None
+
     # ------------------------------------------------------------------ naming samples by what they are
-    def identify(self, dataset: Any, named: Sequence[Dict[str, Any]]) -> List[Tuple[str, List[int], Dict[str, Any]]]:
+    def identify(self, dataset: Any, named: Sequence[Mapping[str, Any]]
+                 ) -> List[Tuple[str, List[int], Dict[str, Any]]]:
         """(sample, every dataset index serving it, how the record names it) for each distinct sample of ``named``.
 
         A sample is known by where it lives (through the dataset wrappers, :func:`~..wrappers.sample_of`), else, past
@@ -336,7 +375,7 @@ class Quarantine(Remedy):
         out: List[Tuple[str, List[int], Dict[str, Any]]] = []
         seen = set()
         for sample in named:
-            found = self._identify(dataset, sample)
+            found = self._identify(dataset, dict(sample))
             if found is not None and found[0] not in seen:
                 seen.add(found[0])
                 out.append(found)
@@ -368,83 +407,82 @@ class Quarantine(Remedy):
         return key, indices, named
 
     def _indices_of(self, key: str) -> List[int]:
-        known = self.refused.get(key, {}).get("served_as", [])
-        return list(known) + (self.skip.indices_of(key) if self.skip is not None else [])
+        known = self.refused_samples.get(key, {}).get("served_as", [])
+        return list(known) + (self.skip_list.indices_of(key) if self.skip_list is not None else [])
 
     # ------------------------------------------------------------------ a data incident
-    def apply(self, ctx: Context) -> List[Change]:
-        c, ids = ctx.cls, ctx.ids
-        found = self.identify(ctx.io.dataset(), ids) if ids and self.enabled and self.skip is not None else []
+    def _incident(self, ctx: Context) -> Outcome:
+        found = self.identify(ctx.io.dataset(), ctx.samples) if ctx.samples else []
         if not found:
             # Nothing to name: the batch goes by; hyperparameters were never the problem.
-            c.evidence += f"; its samples cannot be named ({self._unnamed(ids)}): nothing quarantined"
-            return []
-        back = [named for key, _, named in found if key in self.refused]
+            return Outcome(evidence=f"; no sample is named by evidence of its own ({self._unnamed(ctx.samples)}): "
+                                    "nothing quarantined")
+        back = [named for key, _, named in found if key in self.refused_samples]
         if back:
-            c.signals["bad_data"] = self.bad_samples(found)
-            c.evidence += (f"; {short_samples(back)}, refused by the quarantine's bound of {self.skip.capacity} "
-                           "sample(s) before, broke the run again: a data problem, not a bug")
-            return []
-        before = self.skip.samples
-        taken, refused = self._take_all(found, {"iteration": c.signals.get("iteration")})
-        if taken:
-            c.signals["quarantined"] = taken
+            return Outcome(evidence=f"; {short_samples(back)}, refused by the quarantine's bound of "
+                                    f"{self.skip_list.capacity} sample(s) before, broke the run again: a data "
+                                    "problem, not a bug", signals={"bad_data": self.bad_samples(found)})
+        before = self.skip_list.samples
+        taken, refused = self._take_all(found, {"iteration": ctx.iteration})
+        signals: Dict[str, Any] = {"quarantined": taken} if taken else {}
+        evidence = ""
         if refused:
-            c.signals["refused"] = refused
-            c.evidence += (f"; quarantining {short_samples(refused)} would pass the bound of {self.skip.capacity} "
-                           "sample(s) (quarantine_fraction): refused, not quarantined; the batch is skipped")
-        return [Change("quarantine.samples", before, self.skip.samples)] if taken else []
+            signals["refused"] = refused
+            evidence = (f"; quarantining {short_samples(refused)} would pass the bound of {self.skip_list.capacity} "
+                        "sample(s) (quarantine_fraction): refused, not quarantined; the batch is skipped")
+        changes = (Change("quarantine.samples", before, self.skip_list.samples),) if taken else ()
+        return Outcome(changes, evidence, signals)
 
     def _take_all(self, found: List[Tuple[str, List[int], Dict[str, Any]]],
                   meta: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
         taken, refused = [], []
-        fresh = [key for key, _, _ in found if not self.skip.has_sample(key)]
-        fits = self.skip.samples + len(fresh) <= self.skip.capacity  # all of a batch's samples, or none of them
+        skip = self.skip_list
+        fresh = [key for key, _, _ in found if not skip.has_sample(key)]
+        fits = skip.samples + len(fresh) <= skip.capacity  # all of a batch's samples, or none of them
         for key, indices, named in found:
-            if fits and self.skip.add(indices, dict(meta, sample=key), sample=key):
+            if fits and skip.add(indices, dict(meta, sample=key), sample=key):
                 taken.append(named)
-                self.refused.pop(key, None)
+                self.refused_samples.pop(key, None)
             else:
                 refused.append(named)
-                self.refused[key] = _served(named, indices)
+                self.refused_samples[key] = _served(named, indices)
+        self._sync()
         return taken, refused
 
-    def spent(self, dataset: Any, ids: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def spent(self, dataset: Any, ids: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
         """The recovery budget is spent on bad data: the samples of ``ids`` not quarantined are remembered as refused
         (the patched config names them too); returns every bad sample found."""
         found = self.identify(dataset, ids)
         for key, indices, named in found:
-            if self.skip is None or not self.skip.has_sample(key):
-                self.refused[key] = _served(named, indices)
+            if self.skip_list is None or not self.skip_list.has_sample(key):
+                self.refused_samples[key] = _served(named, indices)
         return self.bad_samples(found)
 
     def bad_samples(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]] = ()) -> List[Dict[str, Any]]:
         """Every bad sample this run found, as records name them: quarantined, refused, and ``found``."""
         out: Dict[str, Dict[str, Any]] = {}
-        if self.skip is not None:
-            for key, indices in self.skip.by_sample().items():
-                first = self.skip.meta(indices[0]) if indices else {}
+        if self.skip_list is not None:
+            for key, indices in self.skip_list.by_sample().items():
+                first = self.skip_list.meta(indices[0]) if indices else {}
                 out[key] = {"index": indices[0], "served_as": sorted(indices)} if len(indices) > 1 else \
                     {"index": indices[0]}
                 if first.get("from"):
                     out[key]["from"] = first["from"]
-        out.update({k: dict(v) for k, v in self.refused.items()})
+        out.update({k: dict(v) for k, v in self.refused_samples.items()})
         out.update({k: _served(named, indices) for k, indices, named in found})
         return list(out.values())
 
-    def _unnamed(self, ids: Sequence[Dict[str, Any]]) -> str:
-        if not self.enabled or self.skip is None:
-            return "the quarantine is off"
+    def _unnamed(self, ids: Sequence[Mapping[str, Any]]) -> str:
         if ids:
             carried = sorted({k for i in ids for k in i if k != "rank"})
             return f"the ids it carries ({', '.join(carried)}) name no single dataset index"
-        return "no dataset indices known and no sample ids in the batch"
+        return "no sample of the batch was isolated by its own values or a replay, or none can be named"
 
-    # ------------------------------------------------------------------ samples seen in two epochs
+    # ------------------------------------------------------------------ samples named at two skipped steps
     def sighted(self, found: Mapping[str, Tuple[List[int], Dict[str, Any]]], epoch: int) -> List[str]:
-        """Remembers that these samples made a step go wrong in ``epoch``; returns those now seen twice, in two
-        different epochs or under two different indices (a resampling wrapper serves it again in the same pass), and
-        not yet quarantined (``quarantine_recurring``)."""
+        """Remembers that evidence named these samples at a skipped step in ``epoch``; returns those now named twice,
+        in two different epochs or under two different indices (a resampling wrapper serves it again in the same
+        pass), and not yet quarantined (``quarantine_recurring``)."""
         recurring = []
         for key, (_, named) in found.items():
             seen = self.sightings.setdefault(key, [])
@@ -452,80 +490,74 @@ class Quarantine(Remedy):
             if mark not in seen:
                 seen.append(mark)
                 del seen[:-2]  # two sightings decide
-            quarantined = self.skip is not None and self.skip.has_sample(key)
+            quarantined = self.skip_list is not None and self.skip_list.has_sample(key)
             if len(seen) >= 2 and not quarantined and self.config.quarantine_recurring:
                 recurring.append(key)
         while len(self.sightings) > _MAX_SIGHTINGS:  # oldest first (dicts keep insertion order)
             self.sightings.pop(next(iter(self.sightings)))
         return recurring
 
-    def recurring(self, ctx: Context, named: List[Dict[str, Any]], epoch: int) -> Optional[Tuple[List[Change],
-                                                                                                List[Dict[str, Any]],
-                                                                                                str]]:
-        """Samples named by a step that went wrong: those seen in two epochs are quarantined (within the bound) and
-        named in one log line. Returns (changes, samples, reason) for their record, or None when none recurred.
-
-        Raises:
-            BadDataError: a sample the bound refused before is among them.
-        """
-        if not named:
-            return None
-        found = {key: (indices, sample) for key, indices, sample in self.identify(ctx.io.dataset(), named)}
-        recurring = self.sighted(found, epoch)
+    def _recurring(self, ctx: Context) -> Outcome:
+        """Samples evidence named at a skipped step: those named twice are quarantined (within the bound); a sample
+        the bound refused before among them stops the run (``bad_data``)."""
+        found = {key: (indices, sample) for key, indices, sample in self.identify(ctx.io.dataset(), ctx.samples)}
+        recurring = self.sighted(found, ctx.epoch)
         if not recurring:
-            return None
+            return Outcome()
         epochs = sorted({e for k in recurring for e, _ in self.sightings.get(k, [])})
-        if not self.enabled or self.skip is None:
-            samples = [found[k][1] for k in recurring]
-            why = "the quarantine remedy is off" if not self.enabled else "no training loader to quarantine through"
-            return [], samples, f"made steps go wrong in epochs {epochs}; not quarantined: {why}"
-        back = [found[k][1] for k in recurring if k in self.refused]
+        chosen = [(k, found[k][0], found[k][1]) for k in recurring]
+        if self.skip_list is None:
+            return Outcome(signals={"recurring": [found[k][1] for k in recurring], "quarantined": [],
+                                    "reason": f"made steps go wrong in epochs {epochs}; not quarantined: no training "
+                                              "loader to quarantine through"})
+        back = [found[k][1] for k in recurring if k in self.refused_samples]
         if back:
-            raise BadDataError(self._bad_data_text(back, ctx.iteration), self.bad_samples(
-                [(k, found[k][0], found[k][1]) for k in recurring]))
-        before = self.skip.samples
-        taken, refused = self._take_all([(k, found[k][0], found[k][1]) for k in recurring],
-                                        {"iteration": ctx.iteration, "recurring": True})
-        changes = [Change("quarantine.samples", before, self.skip.samples)] if taken else []
+            return Outcome(evidence=f"; {short_samples(back, 8)}, refused by the quarantine's bound of "
+                                    f"{self.skip_list.capacity} sample(s) (quarantine_fraction="
+                                    f"{self.config.quarantine_fraction}), broke the run again",
+                           signals={"bad_data": self.bad_samples(chosen)})
+        before = self.skip_list.samples
+        taken, refused = self._take_all(chosen, {"iteration": ctx.iteration, "recurring": True})
         reason = (f"made steps go wrong in epochs {epochs}" if len(epochs) > 1 else
                   f"made steps go wrong twice in epoch {epochs[0]}, under dataset indices "
                   f"{sorted({i for k in recurring for _, i in self.sightings.get(k, [])})}")
         if refused:
-            reason += (f"; {short_samples(refused)} refused by the quarantine's bound of {self.skip.capacity} "
+            reason += (f"; {short_samples(refused)} refused by the quarantine's bound of {self.skip_list.capacity} "
                        "sample(s) (quarantine_fraction): not quarantined")
         ctx.io.log(f"NanGuard: sample(s) {short_samples(taken + refused)} {reason}"
                    + ("; quarantined for the rest of the run" if taken else ""), "warning")
-        return changes, taken + refused, reason
+        changes = (Change("quarantine.samples", before, self.skip_list.samples),) if taken else ()
+        signals: Dict[str, Any] = {"recurring": taken + refused, "reason": reason, "quarantined": taken}
+        if refused:
+            signals["refused"] = refused
+        return Outcome(changes, f"; {short_samples(taken + refused)} {reason}", signals)
 
-    def _bad_data_text(self, back: List[Dict[str, Any]], iteration: int) -> str:
-        return (f"NanGuard stopped at iter {iteration}: a data problem, not a bug. {short_samples(back, 8)}, refused "
-                f"by the quarantine's bound of {self.skip.capacity} sample(s) (quarantine_fraction="
-                f"{self.config.quarantine_fraction}), broke the run again. {bad_data_advice(self.bad_samples())}.")
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"skip": None if self.skip is None else self.skip.state_dict(),
-                "sightings": {k: list(v) for k, v in self.sightings.items()},
-                "refused_samples": {k: dict(v) for k, v in self.refused.items()}}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("skip"):
-            # The bound is this run's, set once the loader (and its dataset's size) is known: skip_list.
-            self.skip = SkipList(0, max_fraction=self.config.quarantine_fraction)
-            self.skip.load_state_dict(state["skip"])
-        self.sightings = {}
-        for k, v in dict(state.get("sightings", {})).items():
-            if str(k).isdigit():  # before samples were named by what they are: dataset index -> epochs
-                self.sightings[f"index:{k}"] = [[int(e), int(k)] for e in v]
-            else:
-                self.sightings[str(k)] = [[int(e), int(i)] for e, i in v]
-        self.refused = {str(k): dict(v) for k, v in dict(state.get("refused_samples", {})).items()}
+    # ------------------------------------------------------------------ state and what it put in force
+    def load_value(self, key: str, value: Any) -> Any:
+        if key == "skip":
+            return dict(value) if value else None
+        if key == "sightings":
+            sightings = {}
+            for k, v in dict(value or {}).items():
+                if str(k).isdigit():  # before samples were named by what they are: dataset index -> epochs
+                    sightings[f"index:{k}"] = [[int(e), int(k)] for e in v]
+                else:
+                    sightings[str(k)] = [[int(e), int(i)] for e, i in v]
+            return sightings
+        return {str(k): dict(v) for k, v in dict(value or {}).items()}
 
     def summary(self, io: Any) -> Dict[str, Any]:
-        quarantined = [] if self.skip is None else list(self.skip)
-        refused = sorted({int(i) for v in self.refused.values() for i in v.get("served_as", [v.get("index")])
-                          if i is not None})
+        quarantined = [] if self.skip_list is None else list(self.skip_list)
+        if self.skip_list is None and self.skip:
+            quarantined = sorted(int(i) for i in self.skip.get("indices", {}))
+        refused = sorted({int(i) for v in self.refused_samples.values()
+                          for i in v.get("served_as", [v.get("index")]) if i is not None})
         return {"quarantined": quarantined, "refused": refused,
                 "bad_samples": sorted(set(quarantined) | set(refused))}
+
+    def config_entry(self, io: Any) -> ConfigEntry:
+        bad = self.summary(io)["bad_samples"]
+        return ConfigEntry(fix={"quarantine": bad} if bad else {})
 
 
 def _served(named: Dict[str, Any], indices: Sequence[int]) -> Dict[str, Any]:

@@ -1,16 +1,15 @@
-"""The one list of remedies: ``remedies=``, the cause table's remedies, the ladder, the checkpoint state, the summary
-and the patched config are all read from :data:`REGISTRY`, so none can disagree with another.
+"""The remedy types (built-in and registered by users) and the dynamics ladder, as data.
 
-Adding a remedy: one file (its pure function and its :class:`~.base.Remedy`), one line here, its tests (the layout
-test asks for them, and for its row in docs/how-it-works.md's remedy table).
+:func:`register_remedy` adds a :class:`~.base.Remedy` subclass; ``remedies=``, the ladder, the cause table's remedies,
+the settings, the checkpoint state, the summary and the patched config are read from what is registered, so none can
+disagree with another. One run's instances are :class:`~..recovery.policy.Remedies`.
 """
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Tuple, Type
+from typing import Dict, Optional, Sequence, Tuple, Type
 
 from ..causes import Cause
 from .adaptive_clip import AdaptiveClip
-from .base import Context, Remedy, When
-from .change import Change
+from .base import Remedy, When
 from .clip import ClipRemedy
 from .dropout import DropoutRemedy
 from .fp32 import Fp32Remedy
@@ -21,130 +20,89 @@ from .rollback import Rollback
 from .scale import ScaleDynamic
 from .temporal import TemporalReset
 
-__all__ = ["REGISTRY", "REMEDIES", "Rung", "LADDER", "serving", "ladder_text", "config_fix_fields", "Remedies"]
+__all__ = ["REMEDY_TYPES", "register_remedy", "remedy_types", "REMEDIES", "Rung", "LADDER", "ladder_of", "serving"]
 
-#: Every remedy, in the order ``remedies=`` lists them (and they act, where several act at one point).
-REGISTRY: Tuple[Type[Remedy], ...] = (
-    ClipRemedy,
-    DropoutRemedy,
-    Rollback,
-    ScaleDynamic,
-    LrBackoff,
-    MomentsReset,
-    Quarantine,
-    Fp32Remedy,
-    TemporalReset,
-    AdaptiveClip,
-)
+#: Every registered remedy type by name, in registration order (the built-ins first).
+REMEDY_TYPES: Dict[str, Type[Remedy]] = {}
+_SECTIONS = ("", "policy")
 
-#: Remedy names accepted by ``remedies=`` (docs/how-it-works.md, "Cause-aware recovery").
-REMEDIES: Tuple[str, ...] = tuple(r.name for r in REGISTRY if r.switched)
+
+def register_remedy(cls: Type[Remedy]) -> Type[Remedy]:
+    """Registers a remedy type (usable as a class decorator): ``remedies=[..., cls.name]`` switches it on.
+
+    Raises:
+        TypeError: ``cls`` is not a :class:`~.base.Remedy` subclass, or declares an event that is not a
+            :class:`~.base.When`.
+        ValueError: its name is empty or taken by another type, or a state key or setting it declares is taken.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Remedy)) or cls is Remedy:
+        raise TypeError(f"register_remedy takes a Remedy subclass, got {cls!r}")
+    if not isinstance(cls.name, str) or not cls.name.isidentifier():
+        raise ValueError(f"{cls.__name__}.name must be an identifier (its remedies= name), got {cls.name!r}")
+    known = REMEDY_TYPES.get(cls.name)
+    if known is not None and known.__qualname__ != cls.__qualname__:
+        raise ValueError(f"a remedy named {cls.name!r} is registered already ({known.__module__}.{known.__qualname__})")
+    for event in cls.events:
+        if not isinstance(event, When):
+            raise TypeError(f"{cls.__name__}.events must hold When members, got {event!r}")
+    others = [r for r in REMEDY_TYPES.values() if r.name != cls.name]
+    taken = {(r.section, k) for r in others for k in r.state}
+    clash = [k for k in cls.state if (cls.section, k) in taken]
+    names = {s.name for r in others for s in r.settings}
+    clash += [s.name for s in cls.settings if s.name in names]
+    if clash:
+        raise ValueError(f"{cls.__name__} declares {clash}, taken by another remedy")
+    REMEDY_TYPES[cls.name] = cls
+    return cls
+
+
+for _builtin in (ClipRemedy, DropoutRemedy, Rollback, ScaleDynamic, LrBackoff, MomentsReset, Quarantine, Fp32Remedy,
+                 TemporalReset, AdaptiveClip):
+    register_remedy(_builtin)
+
+#: The built-in remedies ``remedies=`` switches, and its default (docs/how-it-works.md, "Cause-aware recovery").
+REMEDIES: Tuple[str, ...] = tuple(name for name, r in REMEDY_TYPES.items() if r.switch == "remedies")
+
+
+def remedy_types() -> Tuple[Type[Remedy], ...]:
+    """Every registered remedy type, in registration order."""
+    return tuple(REMEDY_TYPES.values())
 
 
 @dataclass(frozen=True)
 class Rung:
-    """One rung of the dynamics ladder, read from the remedies that name it.
+    """One rung of the dynamics ladder: the remedies that act together on one incident of a chain.
 
     Attributes:
-        name: how logs and records name it (its first remedy's ``rung_name``).
-        remedies: the ``remedies=`` names it uses (a rung whose remedies are all off is climbed, changing nothing).
-        when: when its remedies act (:class:`~.base.When`).
+        name: how logs and records name it.
+        remedies: their ``remedies=`` names (a rung whose remedies are all off is climbed, changing nothing).
     """
 
     name: str
     remedies: Tuple[str, ...]
-    when: When
 
 
-def _ladder() -> Tuple[Rung, ...]:
-    rungs: Dict[int, List[Type[Remedy]]] = {}
-    for remedy in REGISTRY:
-        if remedy.rung:
-            rungs.setdefault(remedy.rung, []).append(remedy)
-    return tuple(Rung(members[0].rung_name, tuple(m.name for m in members), members[0].when)
-                 for _, members in sorted(rungs.items()))
+#: The dynamics ladder, declared once: one rung per incident of a chain (a chain ends when a state taken after the
+#: latest recovery is confirmed: that rung held); past the last rung the class is structural. ``ladder=`` replaces it.
+LADDER: Tuple[Rung, ...] = (
+    Rung(ClipRemedy.label, ("clip", "dropout")),
+    Rung("learning rate backoff", ("lr",)),
+    Rung("optimizer moments reset", ("moments",)),
+)
 
 
-#: The dynamics ladder, one rung per incident of a chain (a chain ends when a state taken after the latest recovery
-#: is confirmed: that rung held); past the last rung the class is structural.
-LADDER: Tuple[Rung, ...] = _ladder()
+def ladder_of(names: Optional[Sequence[Sequence[str]]]) -> Tuple[Rung, ...]:
+    """The ladder ``ladder=`` gives (None: :data:`LADDER`): a rung equal to a default one keeps its name."""
+    if names is None:
+        return LADDER
+    known = {rung.remedies: rung.name for rung in LADDER}
+    return tuple(Rung(known.get(tuple(r), " + ".join(REMEDY_TYPES[n].label or n for n in r)), tuple(r))
+                 for r in names)
 
 
-def serving(cause: Cause) -> Tuple[str, ...]:
-    """The ``remedies=`` names that act on ``cause`` (the cause table's remedies)."""
-    return tuple(r.name for r in REGISTRY if Cause(cause) in r.causes)
-
-
-def ladder_text(config: Any) -> str:
-    """The ladder as the cause table's action names it, with this run's settings."""
-    firsts = [next(r for r in REGISTRY if r.rung == i + 1) for i in range(len(LADDER))]
-    return ", then ".join(r.rung_text(config) for r in firsts)
-
-
-def config_fix_fields(summary: Dict[str, Any]) -> Dict[str, Any]:
-    """The patched config's :class:`~petr_stability.configfix.ConfigFix` fields, from the guard's summary."""
-    return {field: summary[key] for r in REGISTRY for field, key in r.fixes}
-
-
-class Remedies:
-    """One run's remedies: an instance of each, their state, their summary, and who acts when.
-
-    Args:
-        config: the guard's settings.
-    """
-
-    def __init__(self, config: Any) -> None:
-        self.config = config
-        self.all: Tuple[Remedy, ...] = tuple(r(config) for r in REGISTRY)
-        self._by_name = {r.name: r for r in self.all}
-
-    def __iter__(self) -> Iterator[Remedy]:
-        return iter(self.all)
-
-    def get(self, name: str) -> Remedy:
-        """The remedy called ``name``."""
-        return self._by_name[name]
-
-    def serves(self, cause: Cause) -> bool:
-        """Whether any remedy for ``cause`` is switched on."""
-        return any(self._by_name[n].enabled for n in serving(cause))
-
-    def of_rung(self, rung: int) -> List[Remedy]:
-        """The remedies of the ladder's ``rung`` (1-based)."""
-        return [r for r in self.all if r.rung == rung]
-
-    def at(self, when: When, ctx: Context) -> List[Change]:
-        """Every remedy that acts at ``when``, in registry order; what they changed."""
-        return [change for r in self.all if r.when == when for change in r.apply(ctx)]
-
-    def state_dict(self) -> Dict[str, Any]:
-        """Their state as the guard's checkpoint state holds it: top-level keys and the ``policy`` section."""
-        state: Dict[str, Any] = {"policy": {}}
-        for r in self.all:
-            (state["policy"] if r.section == "policy" else state).update(r.state_dict())
-        return state
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for r in self.all:
-            r.load_state_dict(dict(state.get("policy") or {}) if r.section == "policy" else state)
-
-    def summary(self, io: Any) -> Dict[str, Any]:
-        """The settings they put in force (the summary's and the patched config's part)."""
-        out: Dict[str, Any] = {}
-        for r in self.all:
-            out.update(r.summary(io))
-        return out
-
-    def tags(self) -> Dict[str, Any]:
-        """What a restore point records of them."""
-        out: Dict[str, Any] = {}
-        for r in self.all:
-            out.update(r.tags())
-        return out
-
-    def state_attribute(self, name: str) -> Any:
-        """A remedy's state by its key (``policy.skip``, ``policy.fp32``: the names the checkpoint uses)."""
-        for r in self.all:
-            if name in r.state_keys:
-                return getattr(r, name)
-        raise AttributeError(name)
+def serving(cause: Cause, ladder: Sequence[Rung] = LADDER) -> Tuple[str, ...]:
+    """The remedy names that act on ``cause`` (the cause table's remedies; dynamics: the ladder's, then any other
+    remedy declaring the class)."""
+    cause = Cause(cause)
+    on_ladder = tuple(n for rung in ladder for n in rung.remedies) if cause in (Cause.DYNAMICS, Cause.UNKNOWN) else ()
+    return on_ladder + tuple(n for n, r in REMEDY_TYPES.items() if cause in r.causes and n not in on_ladder)

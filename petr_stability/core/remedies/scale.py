@@ -1,8 +1,7 @@
 """The scale remedy: a static loss scale that stalled training (every step skipped) becomes dynamic."""
-from typing import Any, Dict, List
+from typing import Any, List
 
-from .base import Context, Remedy, When
-from .change import Change
+from .base import Change, ConfigEntry, Context, Remedy, When
 
 __all__ = ["ScaleDynamic"]
 
@@ -12,30 +11,31 @@ class ScaleDynamic(Remedy):
     resume."""
 
     name = "scale"
-    when = When.STALLED
-    state_keys = ("scale_made_dynamic",)
-    fixes = (("dynamic_loss_scale", "scale_made_dynamic"),)
+    label = "dynamic loss scale"
+    events = (When.START, When.STALLED)
+    state = ("scale_made_dynamic",)
+    section = ""
+    idle = {"scale_made_dynamic": False}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.scale_made_dynamic = False
 
+    def match(self, ctx: Context) -> bool:
+        return ctx.event == When.STALLED or self.scale_made_dynamic
+
     def apply(self, ctx: Context) -> List[Change]:
-        change = ctx.io.make_scale_dynamic() if self.enabled else None
+        if ctx.event == When.START:
+            ctx.io.restore_scale_mode()
+            return []
+        change = ctx.io.make_scale_dynamic()
         if change is None:
             return []
         self.scale_made_dynamic = True
         return [change]
 
-    def resume(self, io: Any) -> None:
-        if self.scale_made_dynamic:
-            io.restore_scale_mode()
+    def load_value(self, key: str, value: Any) -> Any:
+        return bool(value)
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"scale_made_dynamic": self.scale_made_dynamic}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.scale_made_dynamic = bool(state.get("scale_made_dynamic", False))
-
-    def summary(self, io: Any) -> Dict[str, Any]:
-        return {"scale_made_dynamic": self.scale_made_dynamic}
+    def config_entry(self, io: Any) -> ConfigEntry:
+        return ConfigEntry(fix={"dynamic_loss_scale": True})

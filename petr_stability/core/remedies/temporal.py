@@ -3,7 +3,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .base import Context, Remedy, When
+from ..validate import Setting, is_names
+from .base import Context, Outcome, Remedy, When
 
 __all__ = ["TEMPORAL_RESET_METHODS", "GENERIC_RESET_CLASSES", "reset_temporal_state", "TemporalReset"]
 
@@ -64,13 +65,20 @@ def reset_temporal_state(model: nn.Module, method_names: Sequence[str] = TEMPORA
 
 
 class TemporalReset(Remedy):
-    """After every rollback: the modules' state outside ``state_dict()`` (``temporal_reset`` methods) started
-    afresh, whatever the class."""
+    """After every rollback, and before a replay on healthy weights: the modules' state outside ``state_dict()``
+    (``temporal_reset`` methods) started afresh, whatever the class. Its outcome's ``temporal_reset`` signal names
+    the modules reset."""
 
     name = "temporal"
-    when = When.AFTER_ROLLBACK
+    label = "temporal state reset"
+    events = (When.AFTER_ROLLBACK,)
+    settings = (Setting("temporal_reset", ("reset_memory", "reset"), is_names, "methods called after every "
+                        "rollback on modules that have them, to clear state kept outside ``state_dict()`` "
+                        "(StreamPETR's ``reset_memory``; ``reset`` only on Sparse4D's ``InstanceBank``)."),)
 
-    def after_rollback(self, ctx: Context) -> List[str]:
-        if not self.enabled or not self.config.temporal_reset:
-            return []
-        return reset_temporal_state(ctx.io.model(), self.config.temporal_reset)
+    def match(self, ctx: Context) -> bool:
+        return bool(self.config.temporal_reset)
+
+    def apply(self, ctx: Context) -> Outcome:
+        names = reset_temporal_state(ctx.io.model(), self.config.temporal_reset)
+        return Outcome(signals={"temporal_reset": names} if names else {})
