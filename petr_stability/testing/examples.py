@@ -11,12 +11,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, NamedTuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence
 
 import torch
 
 __all__ = ["ROOT", "BUDGET_S", "BAD_SAMPLE", "ExampleRun", "example_env", "train_example", "config_values",
-           "load_checkpoint", "all_finite", "check_readme_lines", "check_healthy", "check_bad_sample"]
+           "load_checkpoint", "all_finite", "check_readme_lines", "check_healthy", "check_bad_sample", "guard_state",
+           "check_user_remedy"]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: examples/README.md promises a run in well under a minute; a run took 10-19 s (MMEngine) and 15-28 s (MMCV 1.x, 6 s
@@ -38,17 +39,21 @@ class ExampleRun(NamedTuple):
         return self.output[-4000:]
 
 
-def example_env() -> Dict[str, str]:
-    """The environment with the repository on ``PYTHONPATH``."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+def example_env(*paths: str) -> Dict[str, str]:
+    """The environment with the repository (and ``paths``: a user's own packages) on ``PYTHONPATH``."""
+    entries = (str(ROOT),) + paths + (os.environ.get("PYTHONPATH", ""),)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in entries if p))
 
 
-def train_example(example: Path, work_dir: Path, *extra: str) -> ExampleRun:
-    """Runs ``example``'s ``train.py`` on its ``config.py`` into ``work_dir``, from ``work_dir``'s parent (nothing
-    may depend on being started from the repository root)."""
-    cmd = [sys.executable, str(example / "train.py"), str(example / "config.py"), "--work-dir", str(work_dir), *extra]
+def train_example(example: Path, work_dir: Path, *extra: str, config: Optional[Path] = None,
+                  paths: Sequence[str] = ()) -> ExampleRun:
+    """Runs ``example``'s ``train.py`` on its ``config.py`` (or ``config``) into ``work_dir``, from ``work_dir``'s
+    parent (nothing may depend on being started from the repository root); ``paths`` go on ``PYTHONPATH`` (a user's
+    own package, importable as in a real project)."""
+    config = config if config is not None else example / "config.py"
+    cmd = [sys.executable, str(example / "train.py"), str(config), "--work-dir", str(work_dir), *extra]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=str(work_dir.parent), env=example_env(), stdout=subprocess.PIPE,
+    proc = subprocess.run(cmd, cwd=str(work_dir.parent), env=example_env(*paths), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
     run = ExampleRun(work_dir, proc.returncode, proc.stdout, time.monotonic() - start)
     print(f"{' '.join(cmd[1:])}: exit {run.returncode} in {run.seconds:.1f} s")
@@ -115,3 +120,46 @@ def check_bad_sample(run: ExampleRun, state: Dict[str, Any]) -> None:
     records = read_incidents(str(run.work_dir))
     assert len(records) >= 1 and all(isinstance(r, dict) for r in records), records
     assert all_finite(state)
+
+
+def guard_state(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+    """The guard's state a checkpoint carries (MMEngine: a top-level key; MMCV 1.x: in ``meta``)."""
+    return checkpoint.get("nan_guard") or checkpoint["meta"]["nan_guard"]
+
+
+def check_user_remedy(example: Path, tmp: Path, resume: str) -> None:
+    """examples/user_remedy end to end on ``example``'s train script: the user's remedy acts on its cause, its state
+    rides in the checkpoints and survives a resume (``resume``: the ``--cfg-options`` entry naming the checkpoint,
+    ``{ckpt}`` filled in), and the next run from the patched config starts with it re-applied (docs/remedies.md)."""
+    import glob
+
+    from petr_stability import read_incidents
+
+    config = ROOT / "examples" / "user_remedy" / f"{example.name}_config.py"
+    first = train_example(example, tmp / "run1", config=config)
+    assert first.returncode == 0, first.tail()
+    (rec,) = read_incidents(str(first.work_dir))
+    assert rec["event"] == "divergence" and rec["cause"]["cause"] == "dynamics"
+    assert {"target": "optimizer0.group0.betas[1]", "old": 0.999, "new": 0.95} in rec["actions"]
+    assert rec["cause"]["evidence"].endswith("; Adam beta2 0.95")
+    checkpoints = sorted(glob.glob(str(first.work_dir / "*.pth")))
+    for path in checkpoints:  # every checkpoint after the incident: the remedy's state and the optimizer's beta2
+        ckpt = load_checkpoint(path)
+        assert guard_state(ckpt)["remedies"] == {"beta2": {"beta2": 0.95}}, path
+        assert ckpt["optimizer"]["param_groups"][0]["betas"][1] == 0.95, path
+    patched = (first.work_dir / "nan_guard_patched_config.py").read_text()
+    assert "carried for beta2" in patched and "carry=dict(" in patched and "type='FaultInjectionHook'" not in patched
+    again = train_example(example, tmp / "run2", "--cfg-options", resume.format(ckpt=checkpoints[0]), config=config)
+    assert again.returncode == 0, again.tail()
+    last = load_checkpoint(sorted(glob.glob(str(again.work_dir / "*.pth")))[-1])
+    assert guard_state(last)["remedies"] == {"beta2": {"beta2": 0.95}}
+    assert last["optimizer"]["param_groups"][0]["betas"][1] == 0.95
+    # The next run: the user's package importable as in a real project (the config's own sys.path line, code and not a
+    # setting, is not in a flat patched config).
+    following = train_example(example, tmp / "run3", config=first.work_dir / "nan_guard_patched_config.py",
+                              paths=(str(config.parent),))
+    assert following.returncode == 0, following.tail()
+    assert "carried from the earlier run: optimizer0.group0.betas[1]: 0.999 -> 0.95" in following.output
+    assert read_incidents(str(following.work_dir)) == []
+    last = load_checkpoint(sorted(glob.glob(str(following.work_dir / "*.pth")))[-1])
+    assert last["optimizer"]["param_groups"][0]["betas"][1] == 0.95 and guard_state(last)["remedies"]

@@ -1,0 +1,22 @@
+"""examples/mmcv1/config.py with a remedy of your own switched on, and a fire drill that makes it act.
+
+Run it (from the repository root):
+    python examples/mmcv1/train.py examples/user_remedy/mmcv1_config.py --work-dir work_dirs/beta2
+The drill puts NaN into the weights at iteration 12: a divergence the replay classes as training dynamics, so the
+ladder's first rung acts (the known manual fix (transformer dropout 0, max_norm 1)) and, beside it, this remedy
+(Adam's beta2 to 0.95). docs/remedies.md says what to look for in the log, the incident log and the patched config.
+"""
+import sys
+
+if '{{ fileDirname }}' not in sys.path:
+    sys.path.append('{{ fileDirname }}')  # beta2_remedy.py is a file next to this config (your package, in a project)
+
+_base_ = ['../mmcv1/config.py']
+
+custom_imports = dict(imports=['petr_stability', 'toy_detector', 'beta2_remedy'], allow_failed_imports=False)
+custom_hooks = [
+    dict(type='NanGuardHook',
+         remedies=['clip', 'dropout', 'rollback', 'scale', 'lr', 'moments', 'quarantine', 'fp32', 'temporal', 'beta2'],
+         beta2_target=0.95),
+    dict(type='FaultInjectionHook', faults=[dict(kind='weights', iters=[12], value='nan')]),  # the fire drill
+]
