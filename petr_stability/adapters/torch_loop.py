@@ -90,6 +90,7 @@ class TorchLoopIO(GuardIO):
         state = payload.state
         self.net.load_state_dict(state["state_dict"], strict=payload.strict)
         load_optimizer_state(self.opt, state["optimizer"])
+        self.net.zero_grad()  # a loop accumulating gradients: a partial window belongs to the abandoned path
         if self.grad_scaler is not None and "scaler" in state:
             self.grad_scaler.load_state_dict(copy.deepcopy(state["scaler"]))
 

@@ -188,7 +188,9 @@ class GuardIO(abc.ABC):
 
     @abc.abstractmethod
     def restore(self, payload: Payload) -> None:
-        """Loads ``payload.state`` into the live objects (never aliasing it: it may be restored again)."""
+        """Loads ``payload.state`` into the live objects (never aliasing it: it may be restored again), with zero
+        gradients and gradient-accumulation counters consistent with ``payload.iteration``: no partial window of the
+        abandoned path survives."""
 
     @abc.abstractmethod
     def counter(self) -> Tuple[int, int]:

@@ -48,8 +48,9 @@ __all__ = [
 RAW_PIXEL_MAX = 65535.0
 
 #: What :class:`IdentifiedDataset` can do to a sample: ``'raw16'`` (saturated pixels left as raw 16-bit values,
-#: 65535, instead of normalised ones) or ``'nan'`` (NaN pixels, as a corrupt image decodes).
-BAD_KINDS = ("raw16", "nan")
+#: 65535, instead of normalised ones), ``'nan'`` (NaN pixels, as a corrupt image decodes) or ``'inf'`` (Inf pixels).
+BAD_KINDS = ("raw16", "nan", "inf")
+_BAD_VALUES = {"raw16": RAW_PIXEL_MAX, "nan": math.nan, "inf": math.inf}
 
 Opt = Optional[Tensor]
 
@@ -120,7 +121,7 @@ class IdentifiedDataset(ListDataset):
         kind = self.bad.get(int(i))
         if kind is not None:
             x = sample["inputs"].clone()
-            x[: self.bad_tokens] = RAW_PIXEL_MAX if kind == "raw16" else math.nan
+            x[: self.bad_tokens] = _BAD_VALUES[kind]
             sample["inputs"] = x
         if self.bug_after is not None and self.calls > self.bug_after:
             sample["inputs"] = wrong_normalize(sample["inputs"])
@@ -309,11 +310,11 @@ def plant_scale_bug(net: PETRLike, after: int) -> PETRLike:
     return net
 
 
-def poison_pixels(sample: Mapping[str, Any], rows: int = 4) -> Dict[str, Any]:
-    """A copy of a :func:`~.petr_like.make_batch` sample whose first ``rows`` camera feature rows are NaN (a corrupt
-    image as it decodes); nothing else names it."""
+def poison_pixels(sample: Mapping[str, Any], rows: int = 4, value: float = math.nan) -> Dict[str, Any]:
+    """A copy of a :func:`~.petr_like.make_batch` sample whose first ``rows`` camera feature rows are ``value`` (NaN: a
+    corrupt image as it decodes; ``math.inf``: one that decodes to Inf); nothing else names it."""
     x = sample["inputs"].clone()
-    x[:rows] = math.nan
+    x[:rows] = value
     return dict(sample, inputs=x)
 
 

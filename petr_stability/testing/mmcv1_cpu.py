@@ -2,14 +2,25 @@
 from typing import Any, Dict, Optional
 
 import torch
-from mmcv.runner import HOOKS, Fp16OptimizerHook, auto_fp16
+from mmcv.runner import HOOKS, Fp16OptimizerHook, GradientCumulativeFp16OptimizerHook, auto_fp16
 from torch import nn
 
 from ..core.flags import make_grad_scaler
 from .data import ListDataset
 from .petr_like import build_petr_like
 
-__all__ = ["CPUFp16OptimizerHook", "PETRLikeMMCV1", "ListDataset"]
+__all__ = ["cpu_grad_scaler", "CPUFp16OptimizerHook", "CPUGradientCumulativeFp16OptimizerHook", "PETRLikeMMCV1",
+           "ListDataset"]
+
+
+def cpu_grad_scaler(loss_scale: Any) -> Any:
+    """A CPU ``GradScaler`` for MMCV's ``loss_scale`` argument: a float (its start scale), a dict of ``GradScaler``
+    arguments, or ``'dynamic'``."""
+    if isinstance(loss_scale, float):
+        return make_grad_scaler("cpu", init_scale=loss_scale)
+    if isinstance(loss_scale, dict):
+        return make_grad_scaler("cpu", **loss_scale)
+    return make_grad_scaler("cpu")
 
 
 @HOOKS.register_module(force=True)
@@ -22,12 +33,17 @@ class CPUFp16OptimizerHook(Fp16OptimizerHook):
 
     def __init__(self, loss_scale: Any = 512.0, **kwargs: Any) -> None:
         super().__init__(loss_scale=loss_scale, **kwargs)
-        if isinstance(loss_scale, float):
-            self.loss_scaler = make_grad_scaler("cpu", init_scale=loss_scale)
-        elif isinstance(loss_scale, dict):
-            self.loss_scaler = make_grad_scaler("cpu", **loss_scale)
-        else:
-            self.loss_scaler = make_grad_scaler("cpu")
+        self.loss_scaler = cpu_grad_scaler(loss_scale)
+
+
+@HOOKS.register_module(force=True)
+class CPUGradientCumulativeFp16OptimizerHook(GradientCumulativeFp16OptimizerHook):
+    """MMCV's ``GradientCumulativeFp16OptimizerHook`` (steps every ``cumulative_iters`` iterations) with a CPU
+    ``GradScaler``, as :class:`CPUFp16OptimizerHook`; its accumulation logic is MMCV's unchanged."""
+
+    def __init__(self, loss_scale: Any = 512.0, **kwargs: Any) -> None:
+        super().__init__(loss_scale=loss_scale, **kwargs)
+        self.loss_scaler = cpu_grad_scaler(loss_scale)
 
 
 class PETRLikeMMCV1(nn.Module):

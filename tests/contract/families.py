@@ -19,14 +19,15 @@ from petr_stability.core.config import GuardConfig
 from petr_stability.core.faults import FaultPlan
 from petr_stability.core.flags import make_grad_scaler
 from petr_stability.testing.data import ListDataset
+from petr_stability.testing.data_faults import GradReads
 from petr_stability.testing.stacks import has_mmcv1, has_mmengine
 
 
-def poison_pixels(sample: Dict[str, Any]) -> Dict[str, Any]:
+def poison_pixels(sample: Dict[str, Any], value: float = math.nan) -> Dict[str, Any]:
     # Imported when a runner family builds a PETR-shaped dataset (it needs MMCV's bricks, as the family does).
     from petr_stability.testing.causes_models import poison_pixels as poison
 
-    return poison(sample)
+    return poison(sample, value=value)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,13 +48,16 @@ class TinyDetector(nn.Module):
 
 
 class TorchLoopRun:
-    """A hand-written fp16 loop (CPU autocast + GradScaler) behind TorchLoopIO and the driver."""
+    """A hand-written fp16 loop (CPU autocast + GradScaler) behind TorchLoopIO and the driver; with ``accumulate > 1``
+    it steps every ``accumulate`` iterations and zeroes the gradients after the step, as MMEngine and MMCV 1.x do."""
 
     def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
-                 state: Optional[Dict[str, Any]] = None) -> None:
+                 state: Optional[Dict[str, Any]] = None, accumulate: int = 1) -> None:
         self.iters = iters
+        self.accumulate = accumulate
+        self.grad_reads = GradReads()
         self.model = TinyDetector()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-4)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         clip_kwargs = {"norm": {"max_norm": 35.0, "norm_type": 2}, "none": None}[clip]
         self.io = TorchLoopIO(self.model, self.opt, make_grad_scaler("cpu", init_scale=64.0), clip_kwargs,
                               work_dir, log_fn=lambda msg: None,
@@ -78,16 +82,18 @@ class TorchLoopRun:
                 batches = iter(self.io.loader)
                 batch = next(batches)
             self.plan.inject(self.io.iter, 0, self.model, batch)
+            self.grad_reads.read(self.io.iter + 1, self.model)
             self.driver.before_iter(batch)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = self.model(batch)
-            self.opt.zero_grad()
             scaler = self.io.grad_scaler
-            scaler.scale(loss).backward()
-            scaler.unscale_(self.opt)
-            self.io.clip(self.model.parameters())
-            scaler.step(self.opt)
-            scaler.update()
+            scaler.scale(loss / self.accumulate).backward()
+            if (self.io.iter + 1) % self.accumulate == 0:
+                scaler.unscale_(self.opt)
+                self.io.clip(self.model.parameters())
+                scaler.step(self.opt)
+                scaler.update()
+                self.opt.zero_grad()
             self.plan.disarm()
             self.io.last_loss = float(loss)
             self.driver.after_iter()
@@ -110,12 +116,15 @@ class TorchLoopRun:
     def dropouts(self) -> List[float]:
         return [m.p for m in self.model.modules() if isinstance(m, nn.Dropout)]
 
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
     def saved_state(self) -> Dict[str, Any]:
         return json.loads(json.dumps(self.driver.state_dict()))
 
-    def corrupt(self, index: int) -> None:
-        """NaN features in one sample of the dataset (a corrupt record)."""
-        self.samples[index][0] = math.nan
+    def corrupt(self, index: int, value: float = math.nan) -> None:
+        """NaN (or ``value``) features in one sample of the dataset (a corrupt record)."""
+        self.samples[index][0] = value
 
     def live_dataset(self) -> Any:
         """The dataset the training loader reads (after train())."""
@@ -132,25 +141,30 @@ class MMEngineRun:
     """A real MMEngine Runner (tests/mmengine/harness.py) with the CPU fp16 AmpOptimWrapper."""
 
     def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
-                 checkpoint: Optional[dict] = None, resume: bool = False, cfg: Optional[dict] = None) -> None:
+                 checkpoint: Optional[dict] = None, resume: bool = False, cfg: Optional[dict] = None,
+                 accumulate: int = 1) -> None:
         sys.path.insert(0, os.path.join(HERE, "..", "mmengine"))
         from harness import build_runner
+        from mmengine.hooks import Hook
 
         clip_grad = {"norm": dict(max_norm=35, norm_type=2), "value": dict(type="value", clip_value=1.0),
                      "none": None}[clip]
         self.runner = build_runner(work_dir, amp=dict(init_scale=64.0), max_iters=iters, guard=guard, faults=faults,
                                    model_kwargs=dict(num_layers=1, num_query=16), clip_grad=clip_grad,
-                                   checkpoint=checkpoint, resume=resume, cfg=cfg)
+                                   checkpoint=checkpoint, resume=resume, cfg=cfg, lr=LR,
+                                   accumulative_counts=accumulate)
         self.hook = next(h for h in self.runner.hooks if type(h).__name__ == "NanGuardHook")
         self.batch_size = self.runner._train_dataloader["batch_size"]
+        self.grad_reads = GradReads()
+        self.runner.register_hook(read_grads_hook(Hook, self.grad_reads), priority="HIGHEST")
 
     def train(self) -> None:
         self.runner.train()
 
-    def corrupt(self, index: int) -> None:
-        """NaN pixels in one sample of the dataset (a corrupt image)."""
+    def corrupt(self, index: int, value: float = math.nan) -> None:
+        """NaN (or ``value``) pixels in one sample of the dataset (a corrupt image)."""
         samples = self._leaf.samples  # the loader is built by train()
-        samples[index] = poison_pixels(samples[index])
+        samples[index] = poison_pixels(samples[index], value)
 
     @property
     def _leaf(self) -> Any:
@@ -183,28 +197,35 @@ class MMEngineRun:
         head = self.runner.model.net.pts_bbox_head
         return [m.p for m in head.modules() if isinstance(m, nn.Dropout)]
 
+    def lr(self) -> float:
+        return self.runner.optim_wrapper.param_groups[0]["lr"]
+
 
 class MMCV1Run:
     """A real MMCV 1.x IterBasedRunner (tests/mmcv1/harness.py) with the CPU Fp16OptimizerHook."""
 
     def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
-                 checkpoint: Optional[dict] = None, meta: Optional[dict] = None) -> None:
+                 checkpoint: Optional[dict] = None, meta: Optional[dict] = None, accumulate: int = 1) -> None:
         sys.path.insert(0, os.path.join(HERE, "..", "mmcv1"))
         from harness import build_runner
+        from mmcv.runner import Hook
 
         grad_clip = {"norm": dict(max_norm=35, norm_type=2), "none": None}[clip]
         self.runner = build_runner(work_dir, runner="iter", amp=dict(init_scale=64.0), max_iters=iters, guard=guard,
-                                   faults=faults, grad_clip=grad_clip, checkpoint=checkpoint, meta=meta)
+                                   faults=faults, grad_clip=grad_clip, checkpoint=checkpoint, meta=meta, lr=LR,
+                                   cumulative_iters=accumulate)
         self.hook = next(h for h in self.runner.hooks if type(h).__name__ == "NanGuardHook")
         self.batch_size = self.runner.loader.batch_size
+        self.grad_reads = GradReads()
+        self.runner.register_hook(read_grads_hook(Hook, self.grad_reads), priority="HIGHEST")
 
     def train(self) -> None:
         self.runner.run([self.runner.loader], [("train", 1)])
 
-    def corrupt(self, index: int) -> None:
-        """NaN pixels in one sample of the dataset (a corrupt image)."""
+    def corrupt(self, index: int, value: float = math.nan) -> None:
+        """NaN (or ``value``) pixels in one sample of the dataset (a corrupt image)."""
         samples = (getattr(self, "leaf", None) or self.runner.loader.dataset).samples
-        samples[index] = poison_pixels(samples[index])
+        samples[index] = poison_pixels(samples[index], value)
 
     def live_dataset(self) -> Any:
         """The dataset the training loader reads (after train())."""
@@ -234,6 +255,23 @@ class MMCV1Run:
     def dropouts(self) -> List[float]:
         return [m.p for m in self.runner.model.modules() if isinstance(m, nn.Dropout)
                 and "backbone" not in type(m).__module__]
+
+    def lr(self) -> float:
+        return self.runner.optimizer.param_groups[0]["lr"]
+
+
+#: The learning rate every family trains with (a data fault must leave it there).
+LR = 2e-4
+
+
+def read_grads_hook(base: Any, reads: GradReads) -> Any:
+    """A runner hook (a subclass of the family's ``base`` Hook) reading the gradients before each iteration."""
+
+    class ReadGrads(base):
+        def before_train_iter(self, runner: Any, *args: Any, **kwargs: Any) -> None:
+            reads.read(runner.iter + 1, runner.model)
+
+    return ReadGrads()
 
 
 #: (name, builder) of the families this environment runs.

@@ -14,6 +14,7 @@ from families import FAMILIES, GUARD, MMCV1Run, MMEngineRun, TorchLoopRun
 from petr_stability import read_incidents
 from petr_stability.adapters.driver import GuardDriver
 from petr_stability.core.config import GuardConfig
+from petr_stability.testing.data_faults import assert_windows_line_up, watch_steps
 from petr_stability.testing.stacks import has_mmcv1
 
 NAMES = [name for name, _ in FAMILIES]
@@ -101,6 +102,21 @@ def test_divergence_on_the_first_steps_and_on_the_last_iteration_recovers(family
     (rec,) = read_incidents(str(tmp_path))
     assert rec["iteration"] == at and rec["restored_from"]["iteration"] < at
     assert run.completed() == 16  # the lost iterations are run again
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_a_rollback_inside_an_accumulation_window_leaves_no_partial_window(family, tmp_path, monkeypatch):
+    # Issue 33: the optimizer steps every 4 iterations; NaN weights at iteration 6, inside the window 5-8, are caught
+    # there (a health check every iteration) after its backward summed NaN into the window's gradients. The rollback
+    # lands on a window's boundary and the next window starts from zero gradients, stepping where an uninterrupted
+    # run steps.
+    steps = watch_steps(monkeypatch)
+    run = build(family, tmp_path, iters=16, faults=[weights(6)], guard=dict(check_interval=1), accumulate=4)
+    run.train()
+    assert run.completed() == 16 and run.params_finite() and run.guard.recoveries == 1
+    (rec,) = read_incidents(str(tmp_path))
+    assert rec["iteration"] == 6 and rec["restored_from"]["iteration"] % 4 == 0
+    assert assert_windows_line_up(run.grad_reads, steps, every=4) == 1
 
 
 @pytest.mark.parametrize("family", NAMES)

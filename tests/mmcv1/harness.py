@@ -43,8 +43,12 @@ def build_runner(
     seed: int = 0,
     fp16_type: str = "CPUFp16OptimizerHook",
     device: str = "cpu",
+    cumulative_iters: int = 1,
 ) -> Any:
     """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32 (OptimizerHook).
+
+    ``cumulative_iters > 1`` accumulates gradients over that many iterations with MMCV's
+    ``GradientCumulativeOptimizerHook`` (fp32) or its fp16 variant (:class:`CPUGradientCumulativeFp16OptimizerHook`).
 
     ``device='cuda'`` trains as mmdet's ``train_detector`` does on one GPU (the model in ``MMDataParallel``);
     with ``fp16_type='Fp16OptimizerHook'`` (MMCV's own: CUDA GradScaler) it is the setting users run.
@@ -67,6 +71,9 @@ def build_runner(
         optimizer_config = dict(type="OptimizerHook", grad_clip=grad_clip)
     else:
         optimizer_config = dict(type=fp16_type, loss_scale=amp, grad_clip=grad_clip)
+    if cumulative_iters > 1:
+        optimizer_config.update(type="GradientCumulativeOptimizerHook" if amp is None
+                                else "CPUGradientCumulativeFp16OptimizerHook", cumulative_iters=cumulative_iters)
     ckpt = dict(interval=10 ** 6, by_epoch=runner == "epoch")
     ckpt.update(checkpoint or {})
     custom: List[dict] = []

@@ -16,17 +16,12 @@ import pytest
 import torch
 from harness import build_runner, guard_hook, opt_hook, params_finite, run
 from kill_worker_mmcv1 import FAULT_ITER, GUARD, KILL_ITER
-from mmcv.runner import (
-    GradientCumulativeFp16OptimizerHook,
-    GradientCumulativeOptimizerHook,
-    Hook,
-    OptimizerHook,
-)
+from mmcv.runner import GradientCumulativeOptimizerHook, Hook, OptimizerHook
 
 from petr_stability import read_incidents, safe_load
-from petr_stability.core.flags import make_grad_scaler
 from petr_stability.core.tree import iter_tensors
 from petr_stability.core.watch.health import all_finite
+from petr_stability.testing.mmcv1_cpu import CPUGradientCumulativeFp16OptimizerHook
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DYN = dict(init_scale=512.0)  # a dynamic scale with no calibration overflows on this model
@@ -141,14 +136,6 @@ def test_sigkill_after_a_recovery_then_resume_keeps_remedies_and_counters(tmp_pa
 
 
 # ------------------------------------------------------------------ gradient accumulation
-class CPUGradientCumulativeFp16OptimizerHook(GradientCumulativeFp16OptimizerHook):
-    """MMCV's fp16 accumulation hook with a CPU GradScaler (MMCV builds a CUDA one, disabled without a GPU)."""
-
-    def __init__(self, loss_scale, **kwargs):
-        super().__init__(loss_scale=loss_scale, **kwargs)
-        self.loss_scaler = make_grad_scaler("cpu", **loss_scale)
-
-
 def use_optimizer_hook(r, hook):
     """Puts ``hook`` where the runner's OptimizerHook is, at its priority."""
     i = next(i for i, h in enumerate(r.hooks) if isinstance(h, OptimizerHook))

@@ -244,7 +244,7 @@ def test_a_refused_quarantine_names_no_sample_as_quarantined(tmp_path):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(bad={16: "nan"}), "bad sample index must be an integer in [0, 16), got 16"),
-    (dict(bad={3: "dark"}), "bad sample kind must be one of ['raw16', 'nan'], got 'dark'"),
+    (dict(bad={3: "dark"}), "bad sample kind must be one of ['raw16', 'nan', 'inf'], got 'dark'"),
     (dict(bug_after=-1), "bug_after must be None or an integer >= 0, got -1"),
     (dict(bad_tokens=0), "bad_tokens must be an integer >= 1, got 0"),
 ])

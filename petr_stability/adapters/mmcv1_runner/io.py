@@ -14,6 +14,9 @@ MMCV 1.x facts this adapter handles (``docs``: RUNNER-INTERNALS, "MMCV 1.x"):
 - ``IterBasedRunner``: ``_iter`` is rewound, so the run still performs ``max_iters`` counted steps (on new data).
 - A restore keeps the live optimizer hyperparameters (LR, momentum): MMCV has no scheduler state, the LR and
   momentum hooks derive them from the counters, and an epoch-based LR is only set at the epoch's start.
+- ``GradientCumulativeOptimizerHook`` and its fp16 variant place their window by ``runner.iter`` (``every_n_iters``,
+  ``is_last_iter``) and take ``divisible_iters`` / ``remainder_iters`` from ``max_iters``: the rewound ``_iter`` puts
+  the run back on the restored iteration's window, and a restore zeroes what the abandoned path summed.
 """
 import glob
 import logging

@@ -162,12 +162,15 @@ class MMEngineIO(GuardIO):
         hub = state.get("message_hub", {})
         if "log_scalars" in hub:
             set_log_scalars(self.runner.message_hub, copy.deepcopy(hub["log_scalars"]))
+        # Gradient accumulation: the restored iteration's window, with nothing of the abandoned path's partial one.
+        # A snapshot is a stepped iteration's state (its window closed: zero gradients, the count it had); a checkpoint
+        # file or a resumed start inside a window restarts it from zero gradients at the count of its finished
+        # iterations, as MMEngine's own resume from that state does, so windows keep their boundaries.
         counts = state.get("inner_count")
         for i, (_, w) in enumerate(self._wrappers()):
-            if counts is not None:
-                set_inner_count(w, counts[i])
-            else:  # a checkpoint file: the count of a finished iteration is its number
-                w.initialize_count_status(model, completed, self.runner.train_loop.max_iters)
+            w.zero_grad()
+            set_inner_count(w, counts[i] if counts is not None else completed)
+        model.zero_grad()  # parameters outside every optimizer too
 
     def _load_optim(self, state: Dict[str, Any]) -> None:
         # OptimWrapper.load_state_dict would alias CPU tensors of the snapshot and pops its 'loss_scaler' key.
