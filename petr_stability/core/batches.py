@@ -41,6 +41,9 @@ class BatchWatch:
         #: (iteration, dataset indices or None) of the iterations trained on the current path, newest last: the window
         #: a state poisoned since a snapshot is traced through (:mod:`.diagnosis.window`).
         self.served: Deque[Tuple[int, Optional[List[int]]]] = deque(maxlen=4096)
+        #: The first iteration of the running accumulation window (gradients summed since then, stepped at its end).
+        self.window_start = 1
+        self._rewound: Optional[int] = None
 
     def attach(self, skip: Any, log: Callable[..., None]) -> None:
         """Tracks the training loader's indices (and applies ``skip`` to them) once the loader exists."""
@@ -62,11 +65,20 @@ class BatchWatch:
         self.batch, self.rng = batch, rng
         self.indices = self.tracker.current()
 
-    def end(self, iteration: int, healthy: bool) -> None:
-        """As the iteration's verdict is known: a healthy step's batch becomes the last good batch."""
+    def end(self, iteration: int, healthy: bool, stepped: bool = True) -> None:
+        """As the iteration's verdict is known: a healthy step's batch becomes the last good batch; an iteration that
+        stepped closes the accumulation window (the next one starts after it)."""
+        if self._rewound is not None and iteration > self._rewound:  # this very iteration was rolled back
+            self._rewound = None
+            self.untrained += self.good_batch is None
+            self.batch = self.rng = self.indices = None
+            return
+        self._rewound = None
         while self.served and self.served[-1][0] >= iteration:  # after a rollback: the abandoned path's
             self.served.pop()
         self.served.append((iteration, self.indices))
+        if stepped:
+            self.window_start = iteration + 1
         if healthy and self.batch is not None:
             self.good_batch, self.good_rng, self.good_iteration = self.batch, self.rng, iteration
         elif self.good_batch is None:
@@ -77,6 +89,19 @@ class BatchWatch:
         """The iterations trained on the current path up to ``iteration``, the running one (the batch in hand)
         included."""
         return [(i, idx) for i, idx in self.served if i < iteration] + [(iteration, self.indices)]
+
+    def window(self) -> List[Tuple[int, List[int]]]:
+        """The earlier iterations of the running accumulation window, with their dataset indices (empty without
+        accumulation: every iteration steps): the batches whose gradients the step in hand also applies."""
+        return [(i, list(idx)) for i, idx in self.served if i >= self.window_start and idx]
+
+    def rewind(self, iteration: int) -> None:
+        """A rollback to the state at ``iteration``: the abandoned path's batches are forgotten and the next window
+        starts after it (restore points are taken where a window closed)."""
+        while self.served and self.served[-1][0] > iteration:
+            self.served.pop()
+        self.window_start = iteration + 1
+        self._rewound = iteration
 
     def good_indices(self) -> Optional[List[int]]:
         """The dataset indices of the batch known to be good (the last healthy iteration's), or None."""

@@ -172,7 +172,7 @@ class NanGuard:
             self._run(self._incident(Entry.STALL, signals, decision, True))
         else:
             self._recover(signals, decision, inside=True)
-        self.batches.end(iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped)
+        self.batches.end(iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped, stepped=reading.stepped)
         self._publish(signals.loss_scale)
         return decision
 

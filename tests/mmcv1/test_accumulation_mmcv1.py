@@ -101,7 +101,8 @@ def test_a_burst_across_a_window_boundary_leaves_no_partial_window_behind(tmp_pa
     assert assert_windows_line_up(reads_of(r), steps, EVERY) == 3  # three rollbacks, no window carried over
     records = read_incidents(wd)
     assert set(named_indices(records)) == set(BURST), records  # the bad samples alone, in every record
-    assert_burst_is_data(records, list(guard_hook(r).guard.policy.skip), list(BURST), dataset.samples)
+    quarantined = list(guard_hook(r).guard.remedy("quarantine").skip_list)
+    assert_burst_is_data(records, quarantined, list(BURST), dataset.samples)
     assert all(dataset.served[i] == 1 for i in BURST), dataset.served  # quarantined where first served
     assert hook.grad_clip["max_norm"] == 35
     assert r.optimizer.param_groups[0]["lr"] == LR and dropouts(r) == before
@@ -121,8 +122,6 @@ class ListBatchModel(nn.Module):
         return dict(loss=loss, log_vars={"loss": float(loss)}, num_samples=int(x.shape[0]))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the core names the batch in hand at a window's step, not the window's batch that broke it")
 def test_a_bad_sample_inside_a_window_is_the_one_named(tmp_path):
     # Sample 9 (NaN features) is served at iteration 5 of every epoch, inside the window 5-8; nothing it touches is
     # state, so the window's step at iteration 8 is where its NaN gradient shows. The guard names the batch in hand
@@ -132,4 +131,4 @@ def test_a_bad_sample_inside_a_window_is_the_one_named(tmp_path):
     r = build(wd, Pairs(16, bad=[9]), None, ListBatchModel())
     run(r)
     assert set(named_indices(read_incidents(wd))) == {9}
-    assert list(guard_hook(r).guard.policy.skip) == [9]
+    assert list(guard_hook(r).guard.remedy("quarantine").skip_list) == [9]

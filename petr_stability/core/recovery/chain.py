@@ -20,7 +20,7 @@ import functools
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .. import distributed
 from ..batches import BatchWatch
@@ -33,6 +33,7 @@ from ..port import GuardIO, Payload
 from ..records import Event, step_record
 from ..remedies.base import Change, When
 from ..remedies.quarantine import bad_data_advice, short_samples
+from ..samples import named_samples, suspect_rows
 from ..watch.detector import Decision, StepSignals, Verdict
 from .policy import CausePolicy
 from .restore import RESTORE_ORDER, RestorePoints, as_tensors
@@ -211,11 +212,19 @@ class Evidence:
             report["window"] = window
         return report
 
+    def _rows(self) -> Tuple[List[int], List[Dict[str, Any]]]:
+        """The dataset indices and samples of every batch the step in hand applies: the earlier batches of its
+        accumulation window (rebuilt from their indices), then the batch in hand."""
+        earlier = [i for _, idx in self.batches.window() for i in idx]
+        samples = named_samples(earlier, None, self.io.dataset()) if earlier else []
+        return earlier + list(self.batches.indices or []), samples + self.batches.samples()
+
     def isolation(self) -> Optional[Dict[str, Any]]:
-        """:func:`~..diagnosis.window.isolate_rows` for the batch in hand from the healthy state, beside the batch
-        known to be good; None where it cannot run (no healthy weights, no dataset indices, no loader)."""
+        """:func:`~..diagnosis.window.isolate_rows` for the step's batches (the batch in hand, and the earlier batches
+        of its accumulation window) from the healthy state, beside the batch known to be good; None where it cannot
+        run (no healthy weights, no dataset indices, no loader)."""
         _, weights, where = self._healthy()
-        indices, loader = self.batches.indices, self.io.train_loader()
+        (indices, _), loader = self._rows(), self.io.train_loader()
         if weights is None or not indices or getattr(loader, "dataset", None) is None:
             return None
         report = isolate_rows(self.io.model(), weights, indices, rebuilder(loader), self.io.rerun_forward,
@@ -223,13 +232,30 @@ class Evidence:
         report["from"] = where
         return report
 
+    def window_flagged(self) -> List[Dict[str, Any]]:
+        """Samples of the earlier batches of the accumulation window (rebuilt from their indices) that hold non-finite
+        values of their own: their gradients are in the step in hand, their batch is not."""
+        loader, window = self.io.train_loader(), self.batches.window()
+        if not window or getattr(loader, "dataset", None) is None:
+            return []
+        rebuild, out = rebuilder(loader), []
+        for _, indices in window:
+            batch = rebuild(indices)
+            samples = named_samples(indices, batch, loader.dataset)
+            out += [samples[r] for r in suspect_rows(batch, len(indices), fp16=False) if r < len(samples)]
+        return _tagged(out, OWN_VALUES)
+
     # ------------------------------------------------------------------ naming samples
     def named(self, diagnosis: Optional[Dict[str, Any]], fp16: bool, replayed: bool) -> List[Dict[str, Any]]:
-        """The samples this rank blames in a divergence: those the window trace found, else, where its own batch
-        broke on replay (or no replay ran), those whose own values are bad, else those the replay isolated."""
+        """The samples this rank blames in a divergence: those the window trace found, else those of the accumulation
+        window's earlier batches holding non-finite values, else, where its own batch broke on replay (or no replay
+        ran), those whose own values are bad, else those the replay isolated."""
         traced = window_samples(diagnosis, self.io.dataset())
         if traced:
             return _tagged(traced, TRACED)
+        earlier = self.window_flagged()
+        if earlier:
+            return earlier
         if replayed and not batch_broke(diagnosis):
             return []
         flagged = self.batches.flagged(fp16)
@@ -240,23 +266,25 @@ class Evidence:
     def _isolated(self, isolation: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if not isolation or not isolation.get("rows"):
             return []
-        samples = self.batches.samples()
+        samples = self._rows()[1]
         return _tagged([samples[r] for r in isolation["rows"] if r < len(samples)], ISOLATED)
 
     def skipped(self, kind: str, fp16: bool) -> Dict[str, Any]:
         """A step that went wrong without diverging, on this rank: the samples its record lists (``listed``: the
         batch's, where it broke on this rank) and those evidence names (``named``); an ordinary fp16 overflow names
-        only samples whose own values overflow fp16 (the scale's doing otherwise), and replays nothing."""
+        only samples whose own values overflow fp16 (the scale's doing otherwise), and replays nothing. Under gradient
+        accumulation the step applies the whole window: the earlier batches' samples count as the batch in hand's."""
         if kind == "overflow":
-            flagged = self.batches.flagged(fp16=True)
+            flagged = self.batches.flagged(fp16=True) + self.window_flagged()
             return {"listed": flagged, "named": _tagged(flagged, OWN_VALUES), "isolation": None}
         broke = not distributed.is_distributed() or self.batches.replays_broken()
         if not broke:
             return {"listed": [], "named": [], "isolation": None}
-        flagged = self.batches.flagged(fp16)
+        flagged = self.window_flagged() + _tagged(self.batches.flagged(fp16), OWN_VALUES)
         isolation = self.isolation() if not flagged and kind == "skip" else None
-        named = _tagged(flagged, OWN_VALUES) if flagged else self._isolated(isolation)
-        return {"listed": self.batches.suspects(fp16), "named": named, "isolation": isolation}
+        named = flagged or self._isolated(isolation)
+        listed = [{k: v for k, v in x.items() if k != "evidence"} for x in named] or self.batches.suspects(fp16)
+        return {"listed": listed, "named": named, "isolation": isolation}
 
 
 def _trace(exc: BaseException, frames: int = 4) -> List[str]:
@@ -345,6 +373,10 @@ class IncidentChain:
                                        signals={"iteration": inc.iteration}) if named else None
         elif inc.entry == Entry.DIVERGENCE and inc.diagnosis is not None:
             inc.local = classify(inc.diagnosis, history, inc.iteration, recurrence=False)
+            own = [x for x in inc.mine["named"] if x.get("evidence") == OWN_VALUES]
+            if own and inc.local.cause in (Cause.DYNAMICS, Cause.UNKNOWN):
+                # The batch in hand trains fine, but an earlier batch of its accumulation window holds NaN/Inf.
+                inc.local = from_inputs(own, inc.iteration)
         elif inc.entry == Entry.DIVERGENCE:
             # No replay: the batch's own values are the evidence there is (a sample holding NaN is bad data).
             inc.local = from_inputs(inc.mine["named"], inc.iteration) if inc.batch is not None else None
@@ -463,6 +495,7 @@ class IncidentChain:
             return Step.GIVE_UP
         self.io.restore(payload)
         self.io.rewind(payload.iteration, inc.inside)
+        self.batches.rewind(payload.iteration)
         self.points.drop_after(payload.iteration)
         inc.restored, inc.lost = payload, max(0, inc.iteration - payload.iteration)
         self.actions_tried.append(f"iter {inc.iteration}: rollback to {payload.source} (iter {payload.iteration})")
