@@ -20,6 +20,7 @@ from .core.records import INCIDENT_EVENTS, INCIDENT_FILE, Event, LogProblem, rea
 __all__ = [
     "RunLogs",
     "find_runs",
+    "is_run_log",
     "read_incident_records",
     "read_scalars",
     "summarize",
@@ -58,6 +59,11 @@ def _run_root(path: str) -> Optional[Tuple[str, str]]:
     if name.endswith(".log.json"):
         return here, "mmcv1"
     return None
+
+
+def is_run_log(path: str) -> bool:
+    """Whether ``path`` is named and placed as one of a run's logs (what :func:`find_runs` reads)."""
+    return _run_root(path) is not None
 
 
 def find_runs(path: str) -> List[RunLogs]:

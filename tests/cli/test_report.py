@@ -144,7 +144,7 @@ def test_parent_of_several_runs_reports_each(tmp_path, capsys):
     assert out.count("incidents: 0") == 1 and out.count("incidents: 2") == 1  # never merged
     assert (tmp_path / "a_default" / "nan_guard_report.png").exists()
     assert (tmp_path / "c_guarded" / "nan_guard_report.png").exists()
-    assert main(["report", str(tmp_path), "-o", str(tmp_path / "one.png")]) == 2
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "one.png")]) == 2  # a usage error
     assert "2 runs" in capsys.readouterr().err
 
 
@@ -195,9 +195,10 @@ def test_without_matplotlib(tmp_path, capsys, monkeypatch):
 
 
 def test_errors(tmp_path, capsys):
-    assert main(["report", str(tmp_path / "none")]) == 2
+    # nothing to report on: the command failed (1); a file that is no run's log: a usage error (2)
+    assert main(["report", str(tmp_path / "none")]) == 1
     assert "does not exist" in capsys.readouterr().err
-    assert main(["report", str(tmp_path)]) == 2
+    assert main(["report", str(tmp_path)]) == 1
     assert "no nan_guard_incidents.jsonl" in capsys.readouterr().err
     other = tmp_path / "notes.txt"
     other.write_text("x")
