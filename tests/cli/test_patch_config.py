@@ -130,7 +130,8 @@ def test_output_loads_with_mmengine_from_another_directory(tmp_path):
     code = ("from mmengine.config import Config; "
             f"c = Config.fromfile({str(moved)!r}, import_custom_modules=False); "
             "print(c.optim_wrapper.clip_grad.max_norm, c.model.img_backbone.drop_path_rate)")
-    res = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True,
+                         timeout=1800)  # a hang guard, not a speed limit
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["1", "0.1"]
 
@@ -671,7 +672,7 @@ bad = sorted(m for m in sys.modules if m.startswith(("torch", "petr_stability.co
                                                      "petr_stability.tools", "petr_stability.registry")))
 print(family, bad)
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)  # hangs only
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[0] == "mmcv1 []"
 
