@@ -233,10 +233,12 @@ def _named_in(text):
             words = []
             rest = match.group(1).split()
             for i, word in enumerate(rest):
-                if word.startswith("#") or word == "|" and re.match(r"[a-z]", (rest[i + 1:] or ["x"])[0]):
+                if word.startswith("#") or word in ("|", "\\|") and re.match(r"[a-z]", (rest[i + 1:] or ["x"])[0]):
                     break  # a comment, or a shell pipe (`| head`; `(-o OUT | --in-place)` is usage notation)
                 if word != "...":  # `python -m petr_stability ...`: any subcommand
                     words.append(word)
+            if words and words[0].startswith("<"):
+                continue  # `petr-stability <command>: error: ...`: any subcommand, a placeholder
             command = words[0] if words and not words[0].startswith("-") else None
             found.append((command, set(_FLAG.findall(" ".join(words)))))
     return found

@@ -136,8 +136,7 @@ def test_a_fresh_venv_with_the_documented_mmcv1_steps_trains_the_example(tmp_pat
     elsewhere.mkdir()
     venv = _venv(tmp_path, "venv")
     _in(venv, "pip", "install", "-q", _pinned("torch"), _pinned("torchvision"), cwd=elsewhere)
-    _in(venv, "pip", "install", "-q", "mmcv>=1.4,<2", cwd=elsewhere)
-    _in(venv, "pip", "install", "-q", src, cwd=elsewhere)
+    _in(venv, "pip", "install", "-q", "mmcv>=1.4,<2", src, cwd=elsewhere)
     assert _installed_from(venv, elsewhere).startswith(str(venv))
     example = os.path.join(src, "examples", "mmcv1")
     run = _in(venv, "python", os.path.join(example, "train.py"), os.path.join(example, "config.py"), "--work-dir",
