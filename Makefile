@@ -32,7 +32,7 @@ test-mmengine: env-mmengine
 
 test-mmcv1: env-mmcv1
 	PETR_STABILITY_CUDA_REHEARSAL=1 .venv-mmcv1/bin/python -m pytest -q tests/core tests/contract tests/mmcv1 tests/distributed/mmcv1 \
-	  tests/cuda tests/cli/test_patch_config.py tests/cli/test_preflight.py tests/cli/test_cli.py
+	  tests/cuda tests/cli/test_patch_config.py tests/cli/test_preflight.py tests/cli/test_cli.py tests/cli/test_packaging.py
 	$(NUMERICS_AGAIN) .venv-mmcv1/bin/python -m pytest -q -m numerics tests/core tests/mmcv1
 
 # The cuda group on this machine's GPU, in each environment (benchmarks/gpu_check.sh does it on a bare GPU machine).
@@ -41,6 +41,8 @@ test-cuda: envs
 	.venv-mmcv1/bin/python -m pytest -q -rs -m cuda tests/cuda
 
 # The two suites run side by side, one thread each (2 cores; the models are small), each into its own log.
+# tests/cli/test_packaging.py's `slow` tests build a fresh venv per family, each in its own suite (about 1 min of
+# CPU each: pip, the pinned torch from local disk, the example); `-m "not slow"` leaves them out of a quick run.
 test: envs lint
 	@OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-mmcv1 > .test-mmcv1.log 2>&1 & pid=$$!; \
 	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-mmengine; rc=$$?; \

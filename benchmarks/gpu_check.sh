@@ -52,6 +52,9 @@ for stack in mmengine mmcv1; do
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     "${wheels[@]}" > "$out/pip_$stack.log" 2>&1 \
     || { echo "pip install failed for $stack:"; tail -n 5 "$out/pip_$stack.log"; } >> "$summary"
+  # The wheel does not ship the repository's test helpers (petr_stability.testing): the tests take the tree's copy,
+  # put beside the installed package.
+  [ -d "$site/petr_stability" ] && cp -r petr_stability/testing "$site/petr_stability/"
   # The installed project is tested (not the tree): the tests run from the repository, the package from $site.
   export PYTHONPATH="$site${PYTHONPATH_BASE:+:$PYTHONPATH_BASE}"
   if ! $py -c "import petr_stability, mmcv; print('$stack stack: petr_stability from', petr_stability.__file__, \

@@ -1,4 +1,4 @@
-"""What ``petr-stability report WORK_DIR`` shows: a run's incidents, and loss, grad_norm, scale and max_norm plotted.
+"""What ``petr-stability report WORK_DIR`` shows: a run's incidents as text, a PNG timeline and an HTML page.
 
 A work dir is read as the runners write it: ``nan_guard_incidents.jsonl`` at its top, MMEngine's
 ``<timestamp>/vis_data/scalars.json`` and MMCV 1.x's ``<timestamp>.log.json`` (one per start, so a resumed run has
@@ -6,7 +6,12 @@ several, read in timestamp order). After a rollback the runner's counter replays
 in file order and cut into *segments* (a new one wherever the iteration does not move forward, and at every new
 file): each attempt is drawn as its own line, never sorted into one zig-zag. Damaged lines are reported with file
 and line number, and every count that could be short because of them says so.
+
+The PNG has the run's config and work dir as its title, a panel for each series the run logged (loss, grad_norm,
+loss scale, max_norm: an fp32 run has no loss-scale panel) and each incident's number, cause and action at its
+line. The HTML page beside it shows the picture, one table row per numbered incident and the text summary.
 """
+import html
 import math
 import os
 import re
@@ -20,17 +25,35 @@ from .core.records import INCIDENT_EVENTS, INCIDENT_FILE, Event, LogProblem, rea
 __all__ = [
     "RunLogs",
     "find_runs",
+    "is_run_log",
     "read_incident_records",
     "read_scalars",
     "summarize",
+    "run_config",
+    "incident_label",
+    "timeline_panels",
+    "timeline_figure",
     "plot_timeline",
+    "html_page",
     "report_run",
+    "REPORT_PNG",
 ]
 
 _DROPOUT_ATTRS = ("p", "dropout", "dropout_p", "drop_prob", "attn_drop", "proj_drop")
 _RUNNER_TYPE = re.compile(r"""runner\s*=\s*dict\(\s*type\s*=\s*['"](\w+)['"]"""
                           r"""|['"]runner['"]\s*:\s*\{\s*['"]type['"]\s*:\s*['"](\w+)['"]""")
 _EPOCH_LEN = re.compile(r"Epoch \[\d+\]\[\d+/(\d+)\]")
+#: The picture's default name in a run's work dir; the page is ``nan_guard_report.html`` beside it.
+REPORT_PNG = "nan_guard_report.png"
+#: The guard's patched config (adapters/driver.py's PATCHED_CONFIG_FILE): its first line names the run's config.
+PATCHED_CONFIG = "nan_guard_patched_config.py"
+#: The panels, each drawn only where the run logged it: (label, keys in order of preference, log scale).
+_PANELS = (("loss", ("loss",), False), ("grad_norm", ("grad_norm",), True),
+           ("loss scale", ("nan_guard/loss_scale", "loss_scale"), True), ("max_norm", ("nan_guard/max_norm",), False))
+#: Per-step fp32 records: dotted lines, not numbered (a run can have many).
+_PER_STEP = (Event.SKIP, Event.NONFINITE_LOSS)
+_LABEL_CHARS = 90
+_LABEL_ROWS = 10
 
 
 @dataclass
@@ -58,6 +81,11 @@ def _run_root(path: str) -> Optional[Tuple[str, str]]:
     if name.endswith(".log.json"):
         return here, "mmcv1"
     return None
+
+
+def is_run_log(path: str) -> bool:
+    """Whether ``path`` is named and placed as one of a run's logs (what :func:`find_runs` reads)."""
+    return _run_root(path) is not None
 
 
 def find_runs(path: str) -> List[RunLogs]:
@@ -330,8 +358,141 @@ def _superseded_from(rows: List[Dict[str, float]]) -> Dict[float, float]:
     return cut
 
 
-def plot_timeline(rows: List[Dict[str, float]], records: List[Dict[str, Any]], path: str) -> None:
-    """Writes a PNG with loss, grad_norm, loss scale and max_norm over iterations, incidents marked.
+def run_config(run: RunLogs) -> str:
+    """The config a run trained from, for the report's title.
+
+    The path the guard's patched config names in its first line (written after an incident), else the copies of
+    it the runner dumped at the top of the work dir (MMEngine's ``dump_config``, mmdet's train scripts: the
+    config's own file name), else ``'unknown'``.
+    """
+    try:
+        with open(os.path.join(run.root, PATCHED_CONFIG), encoding="utf-8") as f:
+            match = re.match(r"# Written by petr_stability from (.+\.py)\s*$", f.readline())
+        if match:
+            return match.group(1)
+    except (OSError, UnicodeDecodeError):
+        pass
+    dumped = sorted(n for n in os.listdir(run.root) if n.endswith(".py") and n != PATCHED_CONFIG)
+    if dumped:
+        return f"{', '.join(dumped)} (the runner's copy in the work dir)"
+    return "unknown (no config file in the work dir)"
+
+
+def _labelled(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The records numbered in the picture and the page, in file order: all but the per-step fp32 ones."""
+    return [r for r in records if r.get("event") not in _PER_STEP]
+
+
+def _cause(rec: Dict[str, Any]) -> Dict[str, Any]:
+    cause = rec.get("cause")
+    return cause if isinstance(cause, dict) else {}
+
+
+def _changes(rec: Dict[str, Any]) -> List[str]:
+    """The settings the guard changed at this record, as ``target: old -> new``."""
+    return [f"{a.get('target')}: {_fmt(a.get('old'))} -> {_fmt(a.get('new'))}"
+            for a in rec.get("actions") or [] if isinstance(a, dict)]
+
+
+def _rollback(rec: Dict[str, Any]) -> str:
+    back = rec.get("restored_from")
+    if not isinstance(back, dict) or not back:
+        return ""
+    return f"iter {back.get('iteration')} ({back.get('source')})"
+
+
+def _short_changes(rec: Dict[str, Any]) -> List[str]:
+    """The changes by setting name (``max_norm 35 -> 1``; ``dropout 0.1 -> 0 (x12)`` for twelve modules' dropout)."""
+    counts: Dict[Tuple[str, str, str], int] = {}
+    for a in rec.get("actions") or []:
+        if isinstance(a, dict):
+            target = str(a.get("target"))
+            name = target.rsplit(".", 1)[-1] if target.count(".") >= 2 else target
+            key = (name, _fmt(a.get("old")), _fmt(a.get("new")))
+            counts[key] = counts.get(key, 0) + 1
+    return [f"{name} {old} -> {new}" + (f" (x{n})" if n > 1 else "") for (name, old, new), n in counts.items()]
+
+
+def incident_label(number: int, rec: Dict[str, Any]) -> str:
+    """One line at an incident's line in the picture: its number, cause (or event) and what the guard did."""
+    cause = _cause(rec).get("cause") or rec.get("event")
+    done = _short_changes(rec)
+    if rec.get("event") == Event.GAVE_UP:
+        done = ["gave up"]
+    elif _rollback(rec):
+        done.append(f"rolled back to {_rollback(rec)}")
+    text = f"#{number} {cause}: {'; '.join(done) or rec.get('reason') or '-'}"
+    return text if len(text) <= _LABEL_CHARS else text[:_LABEL_CHARS - 3] + "..."
+
+
+def timeline_panels(rows: List[Dict[str, float]]) -> List[Tuple[str, str, bool]]:
+    """(label, key, log scale) of each panel the run has a value for: no loss-scale panel for an fp32 run."""
+    panels = []
+    for title, keys, log in _PANELS:
+        key = next((k for k in keys if any(k in r and math.isfinite(r[k]) for r in rows)), None)
+        if key is None:
+            key = next((k for k in keys if any(k in r for r in rows)), None)  # logged, only ever NaN/Inf
+        if key is not None:
+            panels.append((title, key, log))
+    return panels
+
+
+def _draw_series(ax: Any, rows: List[Dict[str, float]], key: str, log: bool, cut: Dict[float, float]) -> None:
+    any_good = False
+    for seg in sorted(cut):
+        pts = [(r["iter"], r[key]) for r in rows if r["segment"] == seg and key in r]
+        good = [(x, y) for x, y in pts if math.isfinite(y) and (y > 0 or not log)]
+        kept = [(x, y) for x, y in good if x < cut[seg]]
+        dropped = [(x, y) for x, y in good if x >= cut[seg]]
+        if kept:
+            ax.plot([x for x, _ in kept], [y for _, y in kept], lw=1.2, color="C0")
+        if dropped:  # joined to where it left off, faint: the attempt a rollback abandoned
+            joined = kept[-1:] + dropped
+            ax.plot([x for x, _ in joined], [y for _, y in joined], lw=1.0, color="C0", alpha=0.35, ls="--")
+        any_good = any_good or bool(good)
+    bad = [r["iter"] for r in rows if key in r and not math.isfinite(r[key])]
+    if bad:  # NaN/Inf have no height: mark them along the top edge
+        ax.plot(bad, [1.0] * len(bad), "x", color="red", transform=ax.get_xaxis_transform(),
+                label="NaN/Inf in log", clip_on=False)
+        ax.legend(loc="upper left", fontsize=8)
+    if log and any_good:
+        ax.set_yscale("log")
+
+
+def _draw_records(ax: Any, records: List[Dict[str, Any]]) -> None:
+    for r in records:
+        it = r.get("iteration")
+        if r.get("event") in _PER_STEP:
+            ax.axvline(it, color="grey", ls=":", lw=0.8)
+            continue
+        ax.axvline(it, color="red" if r.get("event") != Event.STALLED else "orange", ls="--", lw=1)
+        back = r.get("restored_from") or {}
+        if isinstance(back, dict) and isinstance(back.get("iteration"), int):
+            ax.axvspan(back["iteration"], it, color="red", alpha=0.08)
+
+
+def _label_strip(ax: Any, records: List[Dict[str, Any]], xmin: float, xmax: float) -> None:
+    """Writes each numbered incident's label at its iteration, one row each, in a strip above the panels."""
+    labelled = _labelled(records)
+    rows = min(len(labelled), _LABEL_ROWS)
+    ax.set_ylim(rows + 0.5, 0.3)
+    ax.set_yticks([])
+    for side in ("left", "right", "bottom", "top"):
+        ax.spines[side].set_visible(False)
+    ax.tick_params(axis="x", length=0)
+    middle = (xmin + xmax) / 2
+    for number, rec in enumerate(labelled, 1):
+        x, row = rec.get("iteration"), (number - 1) % _LABEL_ROWS + 1
+        ax.plot([x, x], [row, rows + 0.5], color="red", lw=0.8, ls="--")
+        text = ax.text(x, row, " " + incident_label(number, rec) + " ", va="center", fontsize=8, color="darkred",
+                       ha="left" if x <= middle else "right")
+        text.set_in_layout(False)  # a long label may run past the axes: never squeeze the panels for it
+
+
+def timeline_figure(rows: List[Dict[str, float]], records: List[Dict[str, Any]], title: str = "") -> Any:
+    """The report's figure: a strip with each numbered incident's label at its iteration (:func:`incident_label`),
+    then one panel per logged series (:func:`timeline_panels`) with the incidents marked, ``title`` above.
+    Returns the matplotlib ``Figure``.
 
     Each segment of ``rows`` (see :func:`read_scalars`) is its own line; the part of a segment that a later one
     replays (abandoned by a rollback) is drawn faint.
@@ -341,69 +502,112 @@ def plot_timeline(rows: List[Dict[str, float]], records: List[Dict[str, Any]], p
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("loss", ["loss"], False), ("grad_norm", ["grad_norm"], True),
-              ("loss scale", ["nan_guard/loss_scale", "loss_scale"], True), ("max_norm", ["nan_guard/max_norm"], False)]
+    panels = timeline_panels(rows) or [("incidents", "", False)]  # no training log: the incidents alone
+    labels = min(len(_labelled(records)), _LABEL_ROWS)
+    heights = ([0.35 + 0.22 * labels] if labels else []) + [1.9] * len(panels)
+    fig, axes = plt.subplots(len(heights), 1, figsize=(11, 1.0 + sum(heights)), sharex=True, squeeze=False,
+                             gridspec_kw=dict(height_ratios=heights))
+    axes = list(axes[:, 0])
+    strip = axes.pop(0) if labels else None
     cut = _superseded_from(rows)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 9), sharex=True)
-    for ax, (title, keys, log) in zip(axes, panels):
-        key = next((k for k in keys if any(k in r for r in rows)), None)
-        if key is not None:
-            any_good = False
-            for seg in sorted(cut):
-                pts = [(r["iter"], r[key]) for r in rows if r["segment"] == seg and key in r]
-                good = [(x, y) for x, y in pts if math.isfinite(y) and (y > 0 or not log)]
-                kept = [(x, y) for x, y in good if x < cut[seg]]
-                dropped = [(x, y) for x, y in good if x >= cut[seg]]
-                if kept:
-                    ax.plot([x for x, _ in kept], [y for _, y in kept], lw=1.2, color="C0")
-                if dropped:  # joined to where it left off, faint: the attempt a rollback abandoned
-                    joined = kept[-1:] + dropped
-                    ax.plot([x for x, _ in joined], [y for _, y in joined], lw=1.0, color="C0", alpha=0.35,
-                            ls="--")
-                any_good = any_good or bool(good)
-            bad = [r["iter"] for r in rows if key in r and not math.isfinite(r[key])]
-            if bad:  # NaN/Inf have no height: mark them along the top edge
-                ax.plot(bad, [1.0] * len(bad), "x", color="red", transform=ax.get_xaxis_transform(),
-                        label="NaN/Inf in log", clip_on=False)
-                ax.legend(loc="upper left", fontsize=8)
-            if log and any_good:
-                ax.set_yscale("log")
+    for ax, (label, key, log) in zip(axes, panels):
+        if key:
+            _draw_series(ax, rows, key, log, cut)
         else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
-        for r in records:
-            it = r.get("iteration")
-            if r.get("event") == Event.SKIP:
-                ax.axvline(it, color="grey", ls=":", lw=0.8)
-                continue
-            ax.axvline(it, color="red" if r.get("event") != Event.STALLED else "orange", ls="--", lw=1)
-            back = r.get("restored_from") or {}
-            if isinstance(back, dict) and isinstance(back.get("iteration"), int):
-                ax.axvspan(back["iteration"], it, color="red", alpha=0.08)
-        ax.set_ylabel(title)
-    axes[0].set_title("dashed red: guard incidents; shaded: iterations rolled back (their first attempt faint); "
-                      "dotted grey: fp32 steps skipped", fontsize=9)
+            ax.set_yticks([])
+        _draw_records(ax, records)
+        ax.set_ylabel(label)
+    xs = [r["iter"] for r in rows] + [r.get("iteration") for r in records if isinstance(r.get("iteration"), int)]
+    if strip is not None:
+        _label_strip(strip, records, min(xs), max(xs))
+    (strip or axes[0]).set_title("dashed red: guard incidents (#n cause: what the guard did); shaded: iterations "
+                                 "rolled back (their first attempt faint); dotted grey: fp32 steps", fontsize=8)
     axes[-1].set_xlabel("iteration")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return fig
+
+
+def plot_timeline(rows: List[Dict[str, float]], records: List[Dict[str, Any]], path: str, title: str = "") -> None:
+    """Writes :func:`timeline_figure` as a PNG to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(rows, records, title)
+    labels = [incident_label(n, r) for n, r in enumerate(_labelled(records), 1)]
+    # PNG text chunks: a viewer shows the title; the labels stay readable where the picture crowds them
+    fig.savefig(path, dpi=100, metadata={"Title": title.replace("\n", "; "), "Description": "\n".join(labels)})
     plt.close(fig)
 
 
+def _cell(value: Any) -> str:
+    return f"<td>{html.escape(str(value), quote=True)}</td>"
+
+
+def _incident_rows(records: List[Dict[str, Any]]) -> List[str]:
+    out = []
+    for number, r in enumerate(_labelled(records), 1):
+        cause = _cause(r)
+        diagnosis = summarize_diagnosis(r["diagnosis"]) if isinstance(r.get("diagnosis"), dict) else ""
+        cells = [number, r.get("iteration"), r.get("event"), r.get("reason") or r.get("why") or "",
+                 cause.get("cause") or "", cause.get("evidence") or "", cause.get("action") or "",
+                 "; ".join(_changes(r)), _rollback(r), r.get("iterations_lost") or 0, diagnosis]
+        out.append("<tr>" + "".join(_cell(c) for c in cells) + "</tr>")
+    return out
+
+
+def html_page(title: Dict[str, str], summary: str, records: List[Dict[str, Any]], png: Optional[str]) -> str:
+    """The report as an HTML page: the title, the picture (``png``, a path relative to the page), one table row
+    per numbered incident (the numbers of the picture) and the text summary. Every value is escaped."""
+    esc = html.escape
+    head = ["#", "iteration", "event", "reason", "cause", "evidence", "the cause's action", "settings changed",
+            "rolled back to", "iterations lost", "diagnosis"]
+    rows = _incident_rows(records)
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en">', '<head><meta charset="utf-8">',
+        f"<title>petr-stability report: {esc(title['config'])}</title>",
+        "<style>body{font:14px sans-serif;margin:1.5em} table{border-collapse:collapse}"
+        " td,th{border:1px solid #bbb;padding:3px 6px;vertical-align:top;text-align:left} pre{font-size:12px}</style>",
+        "</head>", "<body>", "<h1>petr-stability report</h1>",
+        f"<p>config: <code>{esc(title['config'])}</code><br>work dir: <code>{esc(title['work_dir'])}</code></p>",
+        f'<p><img src="{esc(png, quote=True)}" alt="timeline"></p>' if png else
+        "<p>timeline: not drawn (matplotlib is not installed)</p>",
+        f"<h2>Incidents ({len(rows)})</h2>",
+        "<table><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr></thead><tbody>",
+        *rows, "</tbody></table>", "<h2>Summary</h2>", f"<pre>{esc(summary)}</pre>", "</body>", "</html>", ""]
+    return "\n".join(parts)
+
+
 def report_run(run: RunLogs, out: Optional[str]) -> None:
+    """Prints a run's summary; writes its PNG timeline (with matplotlib) and, beside it, its HTML page.
+
+    Args:
+        run: from :func:`find_runs`.
+        out: the PNG's path; the page takes its name with ``.html``. Defaults to ``<run>/nan_guard_report.png``.
+    """
     records, bad_records = read_incident_records(run)
     rows, bad_lines, how = read_scalars(run)
     for problem in bad_records + bad_lines:
         print(f"warning: {problem}", file=sys.stderr)
+    title = {"config": run_config(run), "work_dir": run.root}
     print(f"work dir: {run.root}")
+    print(f"config: {title['config']}")
     print(f"logs: {', '.join(run.files())}")
     if how:
         print(f"MMCV 1.x iterations: {how}")
     text, _ = summarize(records, rows, len(bad_records), len(bad_lines))
     print(text)
-    out = out or os.path.join(run.root, "nan_guard_report.png")
+    out = out or os.path.join(run.root, REPORT_PNG)
+    page = os.path.splitext(out)[0] + ".html"
     try:
         import matplotlib  # noqa: F401 - only to know whether the plot can be drawn
     except ImportError:
+        png = None
         print("timeline: not drawn, matplotlib is not installed (pip install matplotlib, then run this again)")
-        return
-    plot_timeline(rows, records, out)
-    print(f"timeline: {out}")
+    else:
+        plot_timeline(rows, records, out, f"{title['config']}\nwork dir: {title['work_dir']}")
+        png = os.path.relpath(os.path.abspath(out), os.path.dirname(os.path.abspath(page)))
+        print(f"timeline: {out}")
+    with open(page, "w", encoding="utf-8") as f:
+        f.write(html_page(title, text, records, png))
+    print(f"page: {page}")

@@ -6,7 +6,7 @@
 # --feature union-types: that heuristic reads os.O_WRONLY | os.O_CREAT as a 3.10 union; ruff's FA102 finds
 # `X | Y` annotations exactly.
 # The torch floor (1.9) is held by tests/core/test_floor.py in `make test` (docs/versions.md has both).
-#   usage: bash scripts/check_floor.sh [paths...]   (default: the package; VERMIN=path overrides the binary)
+#   usage: bash scripts/check_floor.sh [paths...]   (default: the package and its command, petr_stability_cli.py; VERMIN=path overrides the binary)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERMIN=${VERMIN:-.venv/bin/vermin}
@@ -15,6 +15,6 @@ if [ ! -x "$VERMIN" ] && ! command -v "$VERMIN" >/dev/null; then
   exit 2
 fi
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(petr_stability)
+[ ${#targets[@]} -gt 0 ] || targets=(petr_stability petr_stability_cli.py)
 "$VERMIN" --target=3.8- --violations --no-tips --eval-annotations -q "${targets[@]}"
 echo "check_floor: ${targets[*]} needs nothing newer than Python 3.8 (vermin $("$VERMIN" --version))"

@@ -15,14 +15,14 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["ROOT", "BUDGET_S", "BAD_SAMPLE", "ExampleRun", "example_env", "train_example", "config_values",
+__all__ = ["ROOT", "HANG_S", "BAD_SAMPLE", "ExampleRun", "example_env", "train_example", "config_values",
            "load_checkpoint", "all_finite", "check_readme_lines", "check_healthy", "check_bad_sample", "guard_state",
            "check_user_remedy"]
 
 ROOT = Path(__file__).resolve().parents[2]
-#: examples/README.md promises a run in well under a minute; a run took 10-19 s (MMEngine) and 15-28 s (MMCV 1.x, 6 s
-#: of it MMCV's own sleeps between epochs) here, on 2 busy CPU cores.
-BUDGET_S = 60.0
+#: Ends a hung example only: a run takes 6-22 s here (examples/README.md), and no verdict rests on how long it took
+#: (a loaded machine is slower, not wrong).
+HANG_S = 1800
 #: The sample index ``--bad-sample`` corrupts in the tests.
 BAD_SAMPLE = 10
 
@@ -54,7 +54,7 @@ def train_example(example: Path, work_dir: Path, *extra: str, config: Optional[P
     cmd = [sys.executable, str(example / "train.py"), str(config), "--work-dir", str(work_dir), *extra]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=str(work_dir.parent), env=example_env(*paths), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
+                          stderr=subprocess.STDOUT, text=True, timeout=HANG_S)
     run = ExampleRun(work_dir, proc.returncode, proc.stdout, time.monotonic() - start)
     print(f"{' '.join(cmd[1:])}: exit {run.returncode} in {run.seconds:.1f} s")
     return run
@@ -91,17 +91,16 @@ def check_readme_lines(example: Path) -> None:
     assert values["custom_imports"] == {"imports": ["petr_stability", "toy_detector"], "allow_failed_imports": False}
 
 
-def _within_budget(run: ExampleRun) -> None:
+def _finished(run: ExampleRun) -> None:
     assert run.returncode == 0, run.tail()
-    assert run.seconds < BUDGET_S, f"the example took {run.seconds:.0f} s (budget {BUDGET_S:.0f} s)"
 
 
 def check_healthy(run: ExampleRun, state: Dict[str, Any]) -> None:
-    """A healthy run: finished in budget, the guard in the hook table and its scalars logged, no incident record,
+    """A healthy run: finished, the guard in the hook table and its scalars logged, no incident record,
     finite weights in ``state`` (the run's newest checkpoint)."""
     from petr_stability import INCIDENT_FILE, read_incidents
 
-    _within_budget(run)
+    _finished(run)
     assert "NanGuardHook" in run.output, run.tail()
     assert "nan_guard/incidents: 0.0000" in run.output, run.tail()
     log = run.work_dir / INCIDENT_FILE
@@ -111,11 +110,11 @@ def check_healthy(run: ExampleRun, state: Dict[str, Any]) -> None:
 
 
 def check_bad_sample(run: ExampleRun, state: Dict[str, Any]) -> None:
-    """A run with a corrupt sample: finished in budget, the guard's own log lines, at least one incident record,
+    """A run with a corrupt sample: finished, the guard's own log lines, at least one incident record,
     finite weights in ``state``."""
     from petr_stability import read_incidents
 
-    _within_budget(run)
+    _finished(run)
     assert "NanGuard:" in run.output, run.tail()
     records = read_incidents(str(run.work_dir))
     assert len(records) >= 1 and all(isinstance(r, dict) for r in records), records

@@ -3,6 +3,7 @@ import os
 from typing import Any, Tuple
 
 from ..configfix import ConfigFix, format_changes, load_config, write_patched_config
+from . import UsageError
 
 __all__ = ["main"]
 
@@ -31,23 +32,23 @@ def _out_path(args: Any, config: str) -> Tuple[str, bool]:
     in_place = bool(getattr(args, "in_place", False))
     out = args.out if args.out is not None else (config if in_place else None)
     if out is None:
-        raise ValueError("name the file to write with -o OUT, or pass --in-place to overwrite CONFIG "
+        raise UsageError("name the file to write with -o OUT, or pass --in-place to overwrite CONFIG "
                          "(the original is kept as CONFIG.bak, or CONFIG.bak.N where that exists)")
     out = os.path.abspath(out)
     if os.path.isdir(out):
-        raise ValueError(f"output {out} is a directory; name the config file to write")
+        raise UsageError(f"output {out} is a directory; name the config file to write")
     same = os.path.exists(out) and os.path.samefile(out, config) or out == config
     if same and not in_place:
-        raise ValueError(f"-o {out} is CONFIG itself; pass --in-place to overwrite it (the original is kept as "
+        raise UsageError(f"-o {out} is CONFIG itself; pass --in-place to overwrite it (the original is kept as "
                          f"{out}.bak, or {out}.bak.N where that exists)")
     return out, same
 
 
 def main(args: Any) -> int:
-    """Entry point of ``petr-stability patch-config`` (``args`` from :mod:`petr_stability.cli`)."""
+    """Entry point of ``petr-stability patch-config`` (``args`` from :mod:`petr_stability_cli`)."""
     config = os.path.abspath(args.config)
     if not config.endswith(".py"):
-        raise ValueError(f"CONFIG must be a Python config file (.py), got {args.config}")
+        raise UsageError(f"CONFIG must be a Python config file (.py), got {args.config}")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"config file {config} does not exist")
     out, same = _out_path(args, config)

@@ -2,12 +2,15 @@
 from typing import Any
 
 from ..configfix.preflight import check_file, format_findings
+from . import UsageError
 
 __all__ = ["main"]
 
 
 def main(args: Any) -> int:
-    """Entry point of ``petr-stability check`` (``args`` from :mod:`petr_stability.cli`)."""
+    """Entry point of ``petr-stability check`` (``args`` from :mod:`petr_stability_cli`)."""
+    if not str(args.config).endswith(".py"):
+        raise UsageError(f"CONFIG must be a Python config file (.py), got {args.config}")
     try:
         findings = check_file(args.config, world_size=args.gpus, batch_per_gpu=args.batch_per_gpu)
     except (OSError, ImportError, ValueError, TypeError):

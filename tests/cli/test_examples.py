@@ -19,6 +19,7 @@ require("mmengine")
 
 from petr_stability.testing.examples import (  # noqa: E402
     BAD_SAMPLE,
+    HANG_S,
     ROOT,
     ExampleRun,
     check_bad_sample,
@@ -62,7 +63,8 @@ def test_config_loads_outside_its_train_script(tmp_path):
         "assert HOOKS.get('NanGuardHook') and MODELS.get('ToyDetector'), 'not registered'",
     ]))
     proc = subprocess.run([sys.executable, str(script), str(EXAMPLE / "config.py")], cwd=str(tmp_path),
-                          env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+                          env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 

@@ -452,20 +452,30 @@ def test_cli_exit_codes(capsys):
     assert "auto-scale-lr-off" in capsys.readouterr().out
 
 
-def test_cli_bad_input_exits_2_naming_the_file(tmp_path, capsys):
-    assert main(["check", str(tmp_path / "nope.py")]) == 2
+def test_cli_a_config_that_cannot_be_read_exits_1_naming_the_file(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "nope.py")]) == 1
     assert "nope.py" in capsys.readouterr().err
     broken = tmp_path / "broken.py"
     broken.write_text("model = dict(type=undefined_name)\n")  # fails while it is executed
-    assert main(["check", str(broken)]) == 2
+    assert main(["check", str(broken)]) == 1
     err = capsys.readouterr().err
     assert "broken.py" in err and "undefined_name" in err
     syntax = tmp_path / "syntax.py"
     syntax.write_text("model = dict(\n")
-    assert main(["check", str(syntax)]) == 2
+    assert main(["check", str(syntax)]) == 1
     assert "syntax.py" in capsys.readouterr().err
-    assert main(["check", PETR, "--gpus", "0"]) == 2
-    assert "world_size must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_cli_usage_errors_exit_2_naming_the_flag(tmp_path, capsys):
+    for flag, value in (("--gpus", "-1"), ("--gpus", "0"), ("--gpus", "two"), ("--batch-per-gpu", "0")):
+        with pytest.raises(SystemExit) as exc:
+            main(["check", PETR, flag, value])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: must be an integer >= 1, got " in err and value in err, err
+    (tmp_path / "c.json").write_text("{}")
+    assert main(["check", str(tmp_path / "c.json")]) == 2
+    assert "c.json" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------- whose batch (issue 22)

@@ -2,7 +2,10 @@
 runs, damaged logs, diagnosis and skip lines, no matplotlib."""
 import json
 import os
+import struct
 import sys
+import zlib
+from html.parser import HTMLParser
 
 import pytest
 
@@ -144,7 +147,7 @@ def test_parent_of_several_runs_reports_each(tmp_path, capsys):
     assert out.count("incidents: 0") == 1 and out.count("incidents: 2") == 1  # never merged
     assert (tmp_path / "a_default" / "nan_guard_report.png").exists()
     assert (tmp_path / "c_guarded" / "nan_guard_report.png").exists()
-    assert main(["report", str(tmp_path), "-o", str(tmp_path / "one.png")]) == 2
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "one.png")]) == 2  # a usage error
     assert "2 runs" in capsys.readouterr().err
 
 
@@ -189,15 +192,17 @@ def test_without_matplotlib(tmp_path, capsys, monkeypatch):
     assert main(["report", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert "incidents: 2" in captured.out
-    assert captured.out.strip().splitlines()[-1].startswith("timeline: not drawn, matplotlib is not installed")
+    assert captured.out.strip().splitlines()[-2].startswith("timeline: not drawn, matplotlib is not installed")
+    assert captured.out.strip().splitlines()[-1] == f"page: {tmp_path / 'nan_guard_report.html'}"
     assert "Traceback" not in captured.err
     assert not (tmp_path / "nan_guard_report.png").exists()
 
 
 def test_errors(tmp_path, capsys):
-    assert main(["report", str(tmp_path / "none")]) == 2
+    # nothing to report on: the command failed (1); a file that is no run's log: a usage error (2)
+    assert main(["report", str(tmp_path / "none")]) == 1
     assert "does not exist" in capsys.readouterr().err
-    assert main(["report", str(tmp_path)]) == 2
+    assert main(["report", str(tmp_path)]) == 1
     assert "no nan_guard_incidents.jsonl" in capsys.readouterr().err
     other = tmp_path / "notes.txt"
     other.write_text("x")
@@ -211,3 +216,147 @@ def test_record_with_a_bad_field_is_a_problem(tmp_path, bad):
     from petr_stability.reporting import read_incident_records
     records, problems = read_incident_records(find_runs(str(tmp_path))[0])
     assert records == [] and "not an integer" in problems[0].what
+
+
+# ------------------------------------------------------------------ the picture and the page, read back
+def _png_chunks(path):
+    """(width, height, {tEXt key: text}) of a PNG file."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, texts, size = 8, {}, None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        elif kind in (b"tEXt", b"zTXt", b"iTXt"):
+            key, _, value = body.partition(b"\0")
+            if kind == b"zTXt":
+                value = zlib.decompress(value[1:])
+            elif kind == b"iTXt":
+                value = value[2:].split(b"\0", 2)[2]
+            texts[key.decode("latin-1")] = value.decode("utf-8" if kind == b"iTXt" else "latin-1")
+        pos += 12 + length
+    return size[0], size[1], texts
+
+
+class _Page(HTMLParser):
+    """The page's title, image and table cells as text (entities decoded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.title, self.images, self.rows, self.code = "", [], [], []
+        self._in = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+        elif tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th", "title", "code"):
+            self._in = tag
+            if tag in ("td", "th"):
+                self.rows[-1].append("")
+            elif tag == "code":
+                self.code.append("")
+
+    def handle_endtag(self, tag):
+        self._in = None
+
+    def handle_data(self, data):
+        if self._in in ("td", "th"):
+            self.rows[-1][-1] += data
+        elif self._in == "title":
+            self.title += data
+        elif self._in == "code":
+            self.code[-1] += data
+
+
+def _read_page(path):
+    page = _Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    return page
+
+
+def _fp32_scalars(work_dir, iters):
+    vis = os.path.join(work_dir, "20260101_000000", "vis_data")
+    os.makedirs(vis, exist_ok=True)
+    with open(os.path.join(vis, "scalars.json"), "a") as f:
+        for it in iters:
+            f.write(json.dumps({"loss": 1.0 / it, "grad_norm": 2.0, "nan_guard/max_norm": 35.0, "iter": it}) + "\n")
+
+
+HOSTILE = '<script>alert("x")</script> & <b>bold</b>'
+
+
+def test_the_picture_has_a_title_labels_at_each_incident_and_only_the_logged_panels(tmp_path, capsys):
+    from petr_stability.reporting import incident_label, timeline_figure
+
+    _scalars(str(tmp_path), "20260101_000000", [5, 10, 15, 20, 25, 30, 35, 40])  # fp16: loss_scale logged
+    _write_incidents(str(tmp_path))
+    (tmp_path / "nan_guard_patched_config.py").write_text(
+        "# Written by petr_stability from /work/projects/configs/petr_vov.py\n_base_ = []\n")
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "config: /work/projects/configs/petr_vov.py" in out
+    width, height, texts = _png_chunks(tmp_path / "nan_guard_report.png")
+    assert texts["Title"] == f"/work/projects/configs/petr_vov.py; work dir: {tmp_path}"
+    labels = texts["Description"].splitlines()
+    assert labels == ["#1 dynamics: max_norm 35 -> 1; dropout 0.1 -> 0; rolled back to iter 20 (memory)",
+                      "#2 divergence: rolled back to iter 10 (memory)"]
+    many = dict(INCIDENTS[0], actions=[dict(target=f"head.layers.{i}.attn.dropout", old=0.1, new=0) for i in range(12)])
+    assert incident_label(3, many) == "#3 dynamics: dropout 0.1 -> 0 (x12); rolled back to iter 20 (memory)"
+    fig = timeline_figure(*_rows_and_records(tmp_path), title="T")
+    strip, *panels = fig.axes
+    assert [ax.get_ylabel() for ax in panels] == ["loss", "grad_norm", "loss scale", "max_norm"]
+    drawn = {t.get_text().strip(): t.get_position()[0] for t in strip.texts}
+    assert drawn == {labels[0]: 30, labels[1]: 25}  # each at its incident's iteration
+    assert fig._suptitle.get_text() == "T"
+
+    fp32 = tmp_path / "fp32"
+    _fp32_scalars(str(fp32), [5, 10, 15])
+    assert main(["report", str(fp32)]) == 0
+    assert "config: unknown" in capsys.readouterr().out
+    fig = timeline_figure(*_rows_and_records(fp32))
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "grad_norm", "max_norm"]  # no empty loss-scale panel
+    assert not any(ax.texts for ax in fig.axes)  # and no incident strip: the run had none
+    _, fp32_height, _ = _png_chunks(fp32 / "nan_guard_report.png")
+    assert fp32_height < height
+
+
+def _rows_and_records(work_dir):
+    from petr_stability.reporting import read_incident_records
+
+    (run,) = find_runs(str(work_dir))
+    return read_scalars(run)[0], read_incident_records(run)[0]
+
+
+def test_the_page_holds_the_incident_table_with_every_value_escaped(tmp_path, capsys):
+    records = [dict(INCIDENTS[0], reason=HOSTILE, cause=dict(INCIDENTS[0]["cause"], evidence=HOSTILE)),
+               INCIDENTS[1], INCIDENTS[2]]
+    with open(tmp_path / "nan_guard_incidents.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    (tmp_path / "my <cfg> & co.py").write_text("model = dict()\n")  # the runner's copy names the config
+    _scalars(str(tmp_path), "20260101_000000", [5, 10, 30])
+    out = tmp_path / "pics" / "timeline.png"
+    out.parent.mkdir()
+    assert main(["report", str(tmp_path), "-o", str(out)]) == 0
+    assert f"page: {tmp_path / 'pics' / 'timeline.html'}" in capsys.readouterr().out
+    raw = (tmp_path / "pics" / "timeline.html").read_text(encoding="utf-8")
+    assert "<script>" not in raw and "<b>bold" not in raw
+    page = _read_page(tmp_path / "pics" / "timeline.html")
+    assert page.title == "petr-stability report: my <cfg> & co.py (the runner's copy in the work dir)"
+    assert page.code == ["my <cfg> & co.py (the runner's copy in the work dir)", str(tmp_path)]
+    assert page.images == ["timeline.png"]  # beside the page
+    header, *rows = page.rows
+    assert header[:5] == ["#", "iteration", "event", "reason", "cause"]
+    assert len(rows) == 2  # the fp32 skip is a dotted line and a summary line, not a numbered incident
+    first = dict(zip(header, rows[0]))
+    assert first["#"] == "1" and first["iteration"] == "30" and first["reason"] == HOSTILE
+    assert first["evidence"] == HOSTILE and first["cause"] == "dynamics"
+    assert first["settings changed"] == ("optim_wrapper.clip_grad.max_norm: 35 -> 1; "
+                                         "net.head.layers.0.attentions.0.attn.dropout: 0.1 -> 0")
+    assert first["rolled back to"] == "iter 20 (memory)" and first["iterations lost"] == "10"
+    assert first["diagnosis"].startswith("first non-finite value in head.transformer.decoder.layers.0.attentions.0")
+    second = dict(zip(header, rows[1]))
+    assert (second["#"], second["iteration"], second["cause"]) == ("2", "25", "")
