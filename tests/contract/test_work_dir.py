@@ -3,7 +3,9 @@ loses no record (held in memory, a warning naming the path, written once the wor
 
 Two ways to make the work dir refuse writes, both honest about what they do:
 - ``chmod``: the work dir made read-only (mode 0o555). Root ignores that mode, so where the tests run as root the
-  case is skipped (it says so) and the next one stands for it;
+  case is skipped (it says so) and the next one stands for it (root without ``CAP_DAC_OVERRIDE`` takes it:
+  ``setpriv --inh-caps=-dac_override,-dac_read_search --bounding-set=-dac_override,-dac_read_search python -m
+  pytest ...``);
 - ``directory``: a directory put where the guard's file goes (``nan_guard_incidents.jsonl``,
   ``nan_guard_patched_config.py``): opening or replacing it fails with an ``OSError`` for root too, as a read-only
   file system's ``EROFS`` or a permission's ``EACCES`` would.
