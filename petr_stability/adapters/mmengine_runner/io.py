@@ -41,6 +41,8 @@ class MMEngineIO(GuardIO):
         self._held_save_begin: List[Tuple[Any, int]] = []
         #: The visualizer's steps on the iteration axis: the iterations run (the hook says when they are).
         self.steps = StepsRun(runner)
+        self.log("NanGuard: the visualizer's steps on the iteration axis count the iterations run, so that a rollback "
+                 "never sends them back (the text log keeps the runner's iteration numbers)")
         self._abandoned: Dict[str, float] = {}
         self._text_failed = False
 
