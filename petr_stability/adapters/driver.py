@@ -8,34 +8,42 @@ driver call                   what happens, in order
 ============================  =========================================================================
 ``bind(io)``                  the guard is built (a resumed state can be loaded from here on)
 ``load_state(state)``         a checkpoint's guard state (``resume``): counters, remedies, run id
-``start()``                   clip probes installed, resumed remedies re-applied, start state kept,
-                              pre-flight findings logged
+``start()``                   the work dir checked (rank 0), clip probes installed, resumed remedies
+                              re-applied, start state kept, pre-flight findings logged
 ``before_epoch()``            the sample tracker (and quarantine) into the training loader, once it exists
 ``before_iter(batch)``        the batch (a reference), its dataset indices and the RNG state (a host copy) kept
 ``after_iter()``              verdict, snapshot or recovery; state stored for the next save; on giving up
-                              the runner's files are left pointing at finite ones, then the error
+                              the runner's files are left pointing at finite ones, then the error; writes
+                              that failed are tried again
 ``after_epoch(healthy)``      an agreed health check outside a step (a save the step did not see)
 ``before_save(ckpt)``         the checkpoint is finite (else recovered first, single process) and carries
                               the guard's state
 ``after_load(ckpt, resume)``  a non-finite checkpoint is refused; ``resume`` restores the guard's state
+``finish()``                  the run's end: writes that failed are tried a last time
 ============================  =========================================================================
 
-After every incident (and on giving up) rank 0 writes ``<work_dir>/nan_guard_patched_config.py``.
+After every incident (and on giving up) rank 0 writes ``<work_dir>/nan_guard_patched_config.py``. A write that
+fails (the incident log, the patched config) never ends a run the guard saved: it is held in memory, one warning
+names the path, and it is tried again after every iteration (the patched config once the work dir takes a new file
+again: a cheap check) and at the run's end, where the records that still cannot be written go into the runner's log
+in full.
 """
 import os
-from typing import Any, Callable, Dict, Optional
+import tempfile
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from ..configfix import ConfigFix, check_runner_config, log_findings, read_config, write_patched_config
 from ..core.config import GuardConfig
 from ..core.diagnosis.sandbox import capture_rng
 from ..core.distributed import get_rank, get_world_size, is_distributed
-from ..core.errors import NanGuardError, UnsafeCheckpointError
+from ..core.errors import NanGuardError, UnsafeCheckpointError, UnwritableWorkDirError
 from ..core.guard import NanGuard
 from ..core.port import GuardIO, RunConfig
-from ..core.records import INCIDENT_EVENTS, Event
+from ..core.records import INCIDENT_EVENTS, INCIDENT_FILE, Event
 from ..core.recovery.restore import check_checkpoint, checkpoint_finite
 
-__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "write_config_fix"]
+__all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "write_config_fix", "unwritable",
+           "check_work_dir"]
 
 #: File the driver writes into the work dir after an incident, so that the next run starts stable.
 PATCHED_CONFIG_FILE = "nan_guard_patched_config.py"
@@ -59,11 +67,14 @@ class GuardDriver:
         self.inside = False
         #: The run's effective config, read once at the start for every patched config the run writes.
         self._run_config: Optional[RunConfig] = None
+        #: A patched config the work dir did not take: written as soon as it does.
+        self._config_held = False
 
     def bind(self, io: GuardIO) -> NanGuard:
         """Builds the guard over ``io`` (at the run's start, before any checkpoint is loaded)."""
         self.io = io
         self.guard = NanGuard(self.config, io)
+        self.guard.incidents.log = io.log  # a write that fails is reported in the runner's log
         return self.guard
 
     def load_state(self, state: Optional[Dict[str, Any]]) -> None:
@@ -72,7 +83,14 @@ class GuardDriver:
             self.guard.load_state_dict(state)
 
     def start(self) -> None:
-        """Before the first iteration: probes, resumed remedies, the start state, pre-flight findings."""
+        """Before the first iteration: the work dir, probes, resumed remedies, the start state, pre-flight findings.
+
+        Raises:
+            UnwritableWorkDirError: rank 0 cannot write the incident log or the patched config into the work dir.
+        """
+        if get_rank() == 0 and self.io.work_dir:
+            configs = [PATCHED_CONFIG_FILE] if self.config.write_patched_config else []
+            check_work_dir(self.io.work_dir, [INCIDENT_FILE] + configs)
         self.io.install_probes(self.config.skip_nonfinite_fp32)
         self.guard.setup()
         self.guard.capture_start()
@@ -95,6 +113,10 @@ class GuardDriver:
         self._guarded(self.guard.after_iter)
         self.io.store_state(self.state_dict())
         self.io.after_step()
+        if self.guard.incidents.held:  # records a failed write kept: a cheap try after every iteration
+            self.guard.incidents.flush()
+        if self._config_held:
+            self._write_config()
 
     def after_epoch(self, healthy_here: Optional[bool] = None) -> None:
         """The epoch's last iteration was counted; with ``healthy_here``, an agreed health check outside a step
@@ -134,6 +156,13 @@ class GuardDriver:
         if resuming:
             self.load_state(state)
 
+    def finish(self) -> None:
+        """The run's end: a held patched config and held records are written a last time; records that still cannot
+        be written go into the runner's log in full."""
+        if self._config_held:
+            self._write_config()
+        self.guard.incidents.close()
+
     def state_dict(self) -> Dict[str, Any]:
         """The guard's state, as checkpoints carry it."""
         return self.guard.state_dict()
@@ -146,6 +175,7 @@ class GuardDriver:
             self._after_records()
             if give_up:
                 self.io.before_give_up()
+                self.guard.incidents.close()  # the give-up record too: on disk, or in the log
             raise
         self._after_records()
 
@@ -155,8 +185,7 @@ class GuardDriver:
         if not any(r.get("event") in INCIDENT_EVENTS + (Event.GAVE_UP, Event.RECURRING_SAMPLE) for r in records):
             return
         if self.config.write_patched_config and get_rank() == 0 and self.io.work_dir:
-            write_config_fix(self._run_config or self.io.run_config(), self.io.work_dir, self.guard.config_fix(),
-                             self.io.log)
+            self._write_config()
 
     def _read_run_config(self) -> Optional[RunConfig]:
         """The run's config, read into plain dicts once (rank 0, where patched configs are written); the runner's
@@ -168,6 +197,22 @@ class GuardDriver:
             return RunConfig(read_config(run_config.config, self.io.work_dir), run_config.filename)
         except Exception:  # noqa: BLE001 (the write after an incident reads it again, and logs why it cannot)
             return run_config
+
+    def _write_config(self) -> None:
+        # Written from the remedies' entries, so a later try writes every setting in force by then. The work dir is
+        # checked first (cheap): a config held there is tried again after every iteration at that cost only.
+        problem = unwritable(os.path.join(self.io.work_dir, PATCHED_CONFIG_FILE))
+        if problem:
+            if not self._config_held:
+                self.io.log(f"NanGuard: could not write the patched config: {problem}; the run goes on, and the "
+                            "settings are written there as soon as it takes writes again", "warning")
+            self._config_held = True
+            return
+        if self._config_held:
+            self.io.log("NanGuard: the work dir takes writes again: writing the held patched config")
+        self._config_held = False
+        write_config_fix(self._run_config or self.io.run_config(), self.io.work_dir, self.guard.config_fix(),
+                         self.io.log)
 
     def _log_preflight(self) -> None:
         # The same checks as `petr-stability check`, on the run's effective config and its real world size;
@@ -227,3 +272,46 @@ def write_config_fix(run_config: Optional[RunConfig], work_dir: str, fix: Config
     for note in result.notes:
         log(f"NanGuard:   note: {note}", "warning")
     return out
+
+
+def unwritable(path: str) -> Optional[str]:
+    """Why ``path`` cannot be written, naming the path, or None where it can.
+
+    Tried, not read from mode bits (root ignores a read-only mode; a read-only file system or a full quota does
+    not): a file is created and removed beside ``path``, and an existing ``path`` is opened for appending (nothing
+    is written to it).
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".nan_guard_write_check_", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        return f"cannot create a file in {directory} ({exc.strerror or exc})"
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    if os.path.exists(path):
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            return f"cannot append to {path} ({exc.strerror or exc})"
+    return None
+
+
+def check_work_dir(work_dir: str, files: Sequence[str]) -> None:
+    """Raises :class:`~petr_stability.core.errors.UnwritableWorkDirError` naming the path where one of ``files``
+    (names in ``work_dir``) cannot be written.
+
+    Args:
+        work_dir: the run's work dir.
+        files: the names of the files the guard writes there.
+    """
+    for name in files:
+        problem = unwritable(os.path.join(work_dir, name))
+        if problem:
+            raise UnwritableWorkDirError(
+                f"NanGuard: the work dir does not take the guard's records: {problem}. The guard writes "
+                f"{', '.join(files)} there as it saves a run; make {work_dir} writable (or give the run another "
+                "work_dir) and start again")

@@ -17,8 +17,8 @@ class TorchLoopIO(GuardIO):
 
     In the loop: ``driver.before_iter(batch)``; forward, backward; call :meth:`clip` where you would call
     ``clip_grad_norm_`` (it is the probe); the optimizer step; set :attr:`last_loss` to the step's loss as a float
-    you already read; ``driver.after_iter()``; then ``io.iter += 1``. A rollback sets :attr:`iter` back. ``iter``
-    is the 0-based index of the running iteration, as in the runners.
+    you already read; ``driver.after_iter()``; then ``io.iter += 1``. After the loop, ``driver.finish()``. A rollback
+    sets :attr:`iter` back. ``iter`` is the 0-based index of the running iteration, as in the runners.
 
     Args:
         model: the model (unwrapped).
@@ -31,12 +31,15 @@ class TorchLoopIO(GuardIO):
         config: the run's config (any dict), for the patched config written after an incident. Defaults to None.
         loader: the training ``DataLoader`` (bad samples are quarantined through its sampler). Defaults to None.
         schedulers: torch LR schedulers (a learning-rate backoff scales them too). Defaults to ().
+        writer: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar`` / ``add_text``): the guard's scalars
+            after every iteration and each incident as text, at the iterations run (a rollback never sends the step
+            back). Defaults to None.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any = None,
                  clip_kwargs: Optional[Dict[str, Any]] = None, work_dir: Optional[str] = None,
                  log_fn: Callable[[str], Any] = print, config: Optional[Dict[str, Any]] = None, loader: Any = None,
-                 schedulers: Sequence[Any] = ()) -> None:
+                 schedulers: Sequence[Any] = (), writer: Any = None) -> None:
         self.work_dir = work_dir
         self.net = model
         self.opt = optimizer
@@ -51,6 +54,7 @@ class TorchLoopIO(GuardIO):
         self.config = config
         self.loader = loader
         self.schedulers = list(schedulers)
+        self.writer = writer
 
     def clip(self, params: Any) -> Any:
         """Clips (and observes) the gradients of ``params`` with the live clip arguments."""
@@ -112,5 +116,12 @@ class TorchLoopIO(GuardIO):
     def log(self, msg: str, level: str = "info") -> None:
         self.log_fn(f"[{level}] {msg}")
 
-    def update_scalars(self, scalars: Dict[str, float]) -> None:
+    def update_scalars(self, scalars: Dict[str, float], iterations_lost: int = 0) -> None:
         self.scalars.update(scalars)
+        if self.writer is not None:  # published inside an iteration: iter + 1 completed
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, self.iter + 1 + iterations_lost)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)

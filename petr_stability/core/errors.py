@@ -1,7 +1,7 @@
 """The plugin's own exception types."""
 
 __all__ = ["NanGuardError", "NanGuardGaveUp", "NoHealthyStateError", "StructuralDivergence", "BadDataError",
-           "UnsafeCheckpointError"]
+           "UnsafeCheckpointError", "UnwritableWorkDirError"]
 
 
 class NanGuardError(RuntimeError):
@@ -35,3 +35,8 @@ class BadDataError(NanGuardGaveUp):
 
 class UnsafeCheckpointError(NanGuardError):
     """A checkpoint holds non-finite values or objects that safe loading refuses."""
+
+
+class UnwritableWorkDirError(NanGuardError, PermissionError):
+    """The guard cannot write its records into the work dir (raised before the first iteration, naming the path):
+    a run it saves must be able to say so. Also a ``PermissionError``, what the failed write itself would raise."""

@@ -286,9 +286,14 @@ class NanGuard:
             "nan_guard/incidents": float(self.recoveries + self.stalls),
             "nan_guard/skipped_steps": float(self.skipped_steps),
         }
+        # Finite values only: the observing clip's inf is no bound, and a dashboard's JSON has no Infinity.
         norms = [clip.max_norm for clip in self.io.clip_settings() if clip.kind == "norm"]
-        if norms:
+        if norms and math.isfinite(min(norms)):
             scalars["nan_guard/max_norm"] = min(norms)
-        if loss_scale is not None:
+        if loss_scale is not None and math.isfinite(loss_scale):  # fp16 only: fp32 has no loss scale
             scalars["nan_guard/loss_scale"] = loss_scale
-        self.io.update_scalars(scalars)
+        lost = self.chain.iterations_lost
+        self.io.update_scalars(scalars, lost)
+        for record in self.incidents.take_unshown():  # at the iterations run when it happened
+            step = record["iteration"] + lost - int(record.get("iterations_lost") or 0)
+            self.io.add_text("nan_guard/incident", self.incidents.describe(record), step)

@@ -214,8 +214,25 @@ class GuardIO(abc.ABC):
     def log(self, msg: str, level: str = "info") -> None:
         """Writes through the runner's logger (``'info'``, ``'warning'``, ``'error'``)."""
 
-    def update_scalars(self, scalars: Dict[str, float]) -> None:
-        """Publishes scalars to the runner's log/visualization backends."""
+    def update_scalars(self, scalars: Dict[str, float], iterations_lost: int = 0) -> None:
+        """Publishes the guard's scalars to the runner's log and visualization backends, each as its latest value
+        (never a mean over a logging window).
+
+        Args:
+            scalars: name -> value, every value finite.
+            iterations_lost: iterations rolled back so far in the run. The runner's completed iterations plus these
+                are the iterations run: the step the backends are given (the runner's own scalars too), so that a
+                rollback never sends a dashboard's step axis back. Defaults to 0.
+        """
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        """Writes a text event (an incident: cause, action, samples) to every backend that takes text.
+
+        Args:
+            tag: the event's name (``nan_guard/incident``).
+            text: Markdown.
+            step: the iterations run when it happened (the step axis of :meth:`update_scalars`).
+        """
 
     # -- optional capabilities
     def make_scale_dynamic(self) -> Optional[Change]:

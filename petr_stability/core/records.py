@@ -12,7 +12,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["INCIDENT_FILE", "Event", "INCIDENT_EVENTS", "LogProblem", "IncidentLog", "step_record", "json_ready",
            "read_records", "read_incidents"]
@@ -82,26 +82,114 @@ def json_ready(value: Any) -> Any:
 class IncidentLog:
     """Appends incident records as JSON lines, each flushed to disk before the run goes on.
 
+    A write that fails (a read-only work dir, a full disk) never ends the run: the record is held in memory, one
+    warning names the path, and the held records are written, in order, by the next write or :meth:`flush` that
+    succeeds (the driver retries after every iteration); :meth:`close` puts what still cannot be written into the
+    runner's log in full. Non-finite numbers are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``: every line
+    is strict JSON.
+
     Args:
         work_dir: the run's work dir; the log is ``<work_dir>/nan_guard_incidents.jsonl``.
         enabled: False on every rank but 0, so that exactly one file exists per run.
+        log: where a failed write is reported, ``log(message, level)`` (the driver sets the runner's logger).
+            Defaults to a ``RuntimeWarning``.
     """
 
-    def __init__(self, work_dir: Optional[str], enabled: bool = True) -> None:
+    #: The events a dashboard shows as text (:meth:`take_unshown`); the others are counted in the scalars.
+    SHOWN = (Event.DIVERGENCE, Event.STALLED, Event.RECURRING_SAMPLE)
+
+    def __init__(self, work_dir: Optional[str], enabled: bool = True,
+                 log: Optional[Callable[[str, str], None]] = None) -> None:
         self.path = os.path.join(work_dir, INCIDENT_FILE) if work_dir else None
         self.enabled = enabled and self.path is not None
+        self.log = log
+        #: Records not on disk yet (a write failed), in order.
+        self.held: List[Dict[str, Any]] = []
+        self._unshown: List[Dict[str, Any]] = []
+        self._failing = False
 
     def write(self, record: Dict[str, Any]) -> None:
-        """Appends ``record`` (with a ``time`` field) and fsyncs it."""
+        """Appends ``record`` (with a ``time`` field) and fsyncs it, after any held ones; held itself on failure."""
         if not self.enabled:
             return
         record = dict(record)
         record.setdefault("time", time.strftime("%Y-%m-%d %H:%M:%S"))
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self.held.append(record)
+        if record.get("event") in self.SHOWN:
+            self._unshown.append(record)
+        self.flush()
+
+    def flush(self) -> bool:
+        """Writes the held records; True when none is left held. A failure warns once, naming the path."""
+        if not self.held:
+            return True
+        text = "".join(json.dumps(json_ready(r), default=str) + "\n" for r in self.held)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if not self._failing:
+                self._say(f"NanGuard: could not write {self.path} ({type(exc).__name__}: {exc}); the run goes on, "
+                          f"its records are kept in memory and written there as soon as it takes writes again",
+                          "warning")
+            self._failing = True
+            return False
+        if self._failing:
+            self._say(f"NanGuard: wrote the {len(self.held)} held record(s) to {self.path}", "info")
+        self.held, self._failing = [], False
+        return True
+
+    def close(self) -> None:
+        """At the run's end: a last :meth:`flush`; each record that still cannot be written goes into the log, one
+        JSON line each, so that none is lost."""
+        if self.flush():
+            return
+        self._say(f"NanGuard: {len(self.held)} record(s) could not be written to {self.path}; here they are:", "error")
+        for record in self.held:
+            self._say(json.dumps(json_ready(record), default=str), "error")
+        self.held = []
+
+    def take_unshown(self) -> List[Dict[str, Any]]:
+        """The records of :attr:`SHOWN` events written since the last call (held ones too), for the dashboards."""
+        records, self._unshown = self._unshown, []
+        return records
+
+    def _say(self, message: str, level: str) -> None:
+        if self.log is not None:
+            self.log(message, level)
+        elif level != "info":
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def describe(record: Dict[str, Any]) -> str:
+        """A record as a short Markdown text for a dashboard: what happened, its cause, the action, the samples."""
+        cause = record.get("cause") or {}
+        lines = [f"**{record.get('event')} at iter {record.get('iteration')}**: {record.get('reason') or ''}"]
+        if cause.get("cause"):
+            lines += [f"- cause: {cause['cause']}: {cause.get('evidence') or '-'}",
+                      f"- action: {cause.get('action') or '-'}"]
+        changes = [f"{a.get('target')}: {a.get('old')} -> {a.get('new')}" for a in record.get("actions") or []]
+        if changes:
+            lines.append("- changed: " + "; ".join(changes))
+        back = record.get("restored_from")
+        if isinstance(back, dict):
+            lines.append(f"- rolled back to iter {back.get('iteration')} ({back.get('source')}): "
+                         f"{record.get('iterations_lost', 0)} iteration(s) lost")
+        signals = cause.get("signals") or {}
+        samples = [s for key in ("quarantined", "refused", "bad_data") for s in signals.get(key) or []]
+        samples += list(record.get("batch") or [])
+        named = list(dict.fromkeys(", ".join(f"{k}={v}" for k, v in s.items() if k != "served_as")
+                                   for s in samples if isinstance(s, dict)))
+        if named:
+            lines.append("- samples: " + "; ".join(named[:20]) + (f" (and {len(named) - 20} more)"
+                                                                   if len(named) > 20 else ""))
+        if "quarantined" in record:
+            lines.append(f"- quarantined: {'yes' if record['quarantined'] else 'no'}")
+        lines.append(f"- recoveries: {record.get('recoveries')}/{record.get('max_recoveries')}")
+        return "\n".join(lines)
 
 
 @dataclass

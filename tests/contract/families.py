@@ -3,13 +3,15 @@
 A family is whatever this environment can run: the plain torch loop always, MMEngine where it is installed,
 MMCV 1.x where it is. Every test in test_contract.py runs over each of them.
 """
+import glob
 import json
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from logs import read_board, strict_json_lines
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -32,6 +34,25 @@ def poison_pixels(sample: Dict[str, Any], value: float = math.nan) -> Dict[str, 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+class RunLogs:
+    """What a run showed its user: its JSON-lines files (each line parsed strictly), its TensorBoard events and the
+    guard's log lines."""
+
+    def __init__(self, json_files: List[str], board_dir: str, lines: List[str]) -> None:
+        self.json = {path: strict_json_lines(path) for path in json_files}
+        self.board, self.order = read_board(board_dir)
+        self.lines = lines
+
+
+def collect(lines: List[str]) -> Any:
+    """A logging handler that keeps each message in ``lines``."""
+    import logging
+
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    return handler
+
+
 class TinyDetector(nn.Module):
     """A transformer decoder layer (dropout 0.1) over a projection: the torch loop's stand-in for PETR."""
 
@@ -51,18 +72,28 @@ class TorchLoopRun:
     """A hand-written fp16 loop (CPU autocast + GradScaler) behind TorchLoopIO and the driver; with ``accumulate > 1``
     it steps every ``accumulate`` iterations and zeroes the gradients after the step, as MMEngine and MMCV 1.x do."""
 
+    IO = TorchLoopIO
+
     def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
-                 state: Optional[Dict[str, Any]] = None, accumulate: int = 1) -> None:
+                 state: Optional[Dict[str, Any]] = None, accumulate: int = 1, logs: bool = False) -> None:
         self.iters = iters
         self.accumulate = accumulate
         self.grad_reads = GradReads()
+        self.work_dir = work_dir
         self.model = TinyDetector()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         clip_kwargs = {"norm": {"max_norm": 35.0, "norm_type": 2}, "none": None}[clip]
+        self.lines: List[str] = []
+        self.writer = None
+        if logs:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(work_dir, "tf_logs"))
         self.io = TorchLoopIO(self.model, self.opt, make_grad_scaler("cpu", init_scale=64.0), clip_kwargs,
-                              work_dir, log_fn=lambda msg: None,
+                              work_dir, log_fn=self.lines.append, writer=self.writer,
                               config={"model": {"type": "TinyDetector"}, "optim_wrapper": {"clip_grad": clip_kwargs},
                                       "custom_hooks": [{"type": "NanGuardHook"}]})
+        self.calls: Dict[int, List[Callable[[], Any]]] = {}
         self.driver = GuardDriver(GuardConfig(**guard))
         self.driver.bind(self.io)
         self.driver.load_state(state)
@@ -81,6 +112,8 @@ class TorchLoopRun:
             if batch is None:  # the next pass over the data
                 batches = iter(self.io.loader)
                 batch = next(batches)
+            for call in self.calls.get(self.io.iter + 1, []):
+                call()
             self.plan.inject(self.io.iter, 0, self.model, batch)
             self.grad_reads.read(self.io.iter + 1, self.model)
             self.driver.before_iter(batch)
@@ -98,6 +131,16 @@ class TorchLoopRun:
             self.io.last_loss = float(loss)
             self.driver.after_iter()
             self.io.iter += 1
+        self.driver.finish()
+        if self.writer is not None:
+            self.writer.close()
+
+    def at_iteration(self, iteration: int, call: Callable[[], Any]) -> None:
+        """Runs ``call`` as iteration ``iteration`` (1-based) starts, each time it does."""
+        self.calls.setdefault(iteration, []).append(call)
+
+    def read_logs(self) -> RunLogs:
+        return RunLogs([], os.path.join(self.work_dir, "tf_logs"), self.lines)
 
     # what the contract reads
     @property
@@ -140,23 +183,51 @@ class TorchLoopRun:
 class MMEngineRun:
     """A real MMEngine Runner (tests/mmengine/harness.py) with the CPU fp16 AmpOptimWrapper."""
 
+    @property
+    def IO(self) -> Any:  # noqa: N802 (the class, as the other families name it)
+        from petr_stability.adapters.mmengine_runner.io import MMEngineIO
+
+        return MMEngineIO
+
     def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
                  checkpoint: Optional[dict] = None, resume: bool = False, cfg: Optional[dict] = None,
-                 accumulate: int = 1) -> None:
+                 accumulate: int = 1, logs: bool = False) -> None:
         sys.path.insert(0, os.path.join(HERE, "..", "mmengine"))
         from harness import build_runner
         from mmengine.hooks import Hook
 
         clip_grad = {"norm": dict(max_norm=35, norm_type=2), "value": dict(type="value", clip_value=1.0),
                      "none": None}[clip]
+        visualizer = dict(type="Visualizer", vis_backends=[dict(type="LocalVisBackend"),
+                                                           dict(type="TensorboardVisBackend")]) if logs else None
         self.runner = build_runner(work_dir, amp=dict(init_scale=64.0), max_iters=iters, guard=guard, faults=faults,
                                    model_kwargs=dict(num_layers=1, num_query=16), clip_grad=clip_grad,
                                    checkpoint=checkpoint, resume=resume, cfg=cfg, lr=LR,
-                                   accumulative_counts=accumulate)
+                                   accumulative_counts=accumulate, visualizer=visualizer)
         self.hook = next(h for h in self.runner.hooks if type(h).__name__ == "NanGuardHook")
         self.batch_size = self.runner._train_dataloader["batch_size"]
         self.grad_reads = GradReads()
         self.runner.register_hook(read_grads_hook(Hook, self.grad_reads), priority="HIGHEST")
+        self.lines: List[str] = []
+        if logs:
+            from mmengine.logging import MMLogger
+
+            MMLogger.get_current_instance().addHandler(collect(self.lines))
+
+    def at_iteration(self, iteration: int, call: Callable[[], Any]) -> None:
+        """Runs ``call`` as iteration ``iteration`` (1-based) starts, each time it does."""
+        from mmengine.hooks import Hook
+
+        class At(Hook):
+            def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+                if runner.iter + 1 == iteration:
+                    call()
+
+        self.runner.register_hook(At(), priority="HIGHEST")
+
+    def read_logs(self) -> RunLogs:
+        vis = self.runner.visualizer.get_backend("LocalVisBackend")._save_dir
+        return RunLogs(sorted(glob.glob(os.path.join(vis, "*.json"))), vis, self.lines)
 
     def train(self) -> None:
         self.runner.train()
@@ -204,20 +275,47 @@ class MMEngineRun:
 class MMCV1Run:
     """A real MMCV 1.x IterBasedRunner (tests/mmcv1/harness.py) with the CPU Fp16OptimizerHook."""
 
+    @property
+    def IO(self) -> Any:  # noqa: N802 (the class, as the other families name it)
+        from petr_stability.adapters.mmcv1_runner.io import MMCV1IO
+
+        return MMCV1IO
+
     def __init__(self, work_dir: str, iters: int, guard: Dict[str, Any], faults: List[dict], clip: str,
-                 checkpoint: Optional[dict] = None, meta: Optional[dict] = None, accumulate: int = 1) -> None:
+                 checkpoint: Optional[dict] = None, meta: Optional[dict] = None, accumulate: int = 1,
+                 logs: bool = False) -> None:
         sys.path.insert(0, os.path.join(HERE, "..", "mmcv1"))
         from harness import build_runner
         from mmcv.runner import Hook
 
         grad_clip = {"norm": dict(max_norm=35, norm_type=2), "none": None}[clip]
+        loggers = [dict(type="TextLoggerHook")] + ([dict(type="TensorboardLoggerHook")] if logs else [])
         self.runner = build_runner(work_dir, runner="iter", amp=dict(init_scale=64.0), max_iters=iters, guard=guard,
                                    faults=faults, grad_clip=grad_clip, checkpoint=checkpoint, meta=meta, lr=LR,
-                                   cumulative_iters=accumulate)
+                                   cumulative_iters=accumulate, log_hooks=loggers)
         self.hook = next(h for h in self.runner.hooks if type(h).__name__ == "NanGuardHook")
         self.batch_size = self.runner.loader.batch_size
         self.grad_reads = GradReads()
         self.runner.register_hook(read_grads_hook(Hook, self.grad_reads), priority="HIGHEST")
+        self.work_dir = work_dir
+        self.lines: List[str] = []
+        if logs:
+            self.runner.logger.addHandler(collect(self.lines))
+
+    def at_iteration(self, iteration: int, call: Callable[[], Any]) -> None:
+        """Runs ``call`` as iteration ``iteration`` (1-based) starts, each time it does."""
+        from mmcv.runner import Hook
+
+        class At(Hook):
+            def before_train_iter(self, runner: Any) -> None:
+                if runner.iter + 1 == iteration:
+                    call()
+
+        self.runner.register_hook(At(), priority="HIGHEST")
+
+    def read_logs(self) -> RunLogs:
+        return RunLogs(sorted(glob.glob(os.path.join(self.work_dir, "*.log.json"))),
+                       os.path.join(self.work_dir, "tf_logs"), self.lines)
 
     def train(self) -> None:
         self.runner.run([self.runner.loader], [("train", 1)])

@@ -39,6 +39,7 @@ class FakeIO(GuardIO):
         self.last_loss: Optional[float] = None
         self.logs: List[Tuple[str, str]] = []
         self.scalars: Dict[str, float] = {}
+        self.texts: List[tuple] = []
         self.restores: List[int] = []
         self.ckpts: List[str] = []
         self.loaded: Dict[str, Any] = {}
@@ -100,8 +101,12 @@ class FakeIO(GuardIO):
     def log(self, msg, level="info"):
         self.logs.append((level, msg))
 
-    def update_scalars(self, scalars):
+    def update_scalars(self, scalars, iterations_lost=0):
         self.scalars.update(scalars)
+        self.iterations_lost = iterations_lost
+
+    def add_text(self, tag, text, step):
+        self.texts.append((tag, text, step))
 
     def checkpoint_files(self):
         return list(self.ckpts)

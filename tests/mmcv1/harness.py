@@ -44,11 +44,13 @@ def build_runner(
     fp16_type: str = "CPUFp16OptimizerHook",
     device: str = "cpu",
     cumulative_iters: int = 1,
+    log_hooks: Optional[List[dict]] = None,
 ) -> Any:
     """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32 (OptimizerHook).
 
     ``cumulative_iters > 1`` accumulates gradients over that many iterations with MMCV's
     ``GradientCumulativeOptimizerHook`` (fp32) or its fp16 variant (:class:`CPUGradientCumulativeFp16OptimizerHook`).
+    ``log_hooks``: the logger hooks of ``log_config`` (every 5 iterations). Defaults to a ``TextLoggerHook``.
 
     ``device='cuda'`` trains as mmdet's ``train_detector`` does on one GPU (the model in ``MMDataParallel``);
     with ``fp16_type='Fp16OptimizerHook'`` (MMCV's own: CUDA GradScaler) it is the setting users run.
@@ -85,7 +87,7 @@ def build_runner(
         lr_config or dict(policy="fixed"),
         optimizer_config,
         ckpt,
-        dict(interval=5, hooks=[dict(type="TextLoggerHook")]),
+        dict(interval=5, hooks=log_hooks or [dict(type="TextLoggerHook")]),
         custom_hooks_config=custom,
     )
     r.loader = DataLoader(ListDataset(make_batch(n_samples, num_query=MODEL["num_query"], seed=seed)),

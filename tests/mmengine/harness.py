@@ -34,10 +34,12 @@ def build_runner(
     hooks_before_guard: Optional[List[dict]] = None,
     default_scope: str = "mmengine",
     amp_type: str = "CPUAmpOptimWrapper",
+    visualizer: Optional[dict] = None,
 ) -> Runner:
     """Builds a runner; ``guard=None`` leaves NanGuardHook out, ``amp=None`` trains in fp32.
 
-    ``amp_type='AmpOptimWrapper'`` is MMEngine's own (CUDA GradScaler and autocast; needs a GPU).
+    ``amp_type='AmpOptimWrapper'`` is MMEngine's own (CUDA GradScaler and autocast; needs a GPU). ``visualizer``:
+    the runner's visualizer config (its vis backends); None for MMEngine's default.
     """
     if clip_grad == "default":
         clip_grad = dict(max_norm=35, norm_type=2)
@@ -81,6 +83,7 @@ def build_runner(
         launcher=launcher,
         log_level="INFO",
         cfg=cfg or dict(),
+        visualizer=visualizer,
     )
 
 

@@ -3,8 +3,8 @@
 The hook forwards its lifecycle points to :class:`~petr_stability.adapters.driver.GuardDriver`: ``before_run``
 (bind, the guard's state from ``runner.meta``, start), ``before_train_iter`` (also marks the iteration in
 ``runner.meta`` so that a saved checkpoint says where it was written), ``after_train_iter``, ``after_train_epoch``
-(one cross-rank health check per epoch, after the epoch's checkpoint). Where things live in the runner is
-:class:`~.io.MMCV1IO`'s business.
+(one cross-rank health check per epoch, after the epoch's checkpoint), ``after_run`` (finish). Where things live in
+the runner is :class:`~.io.MMCV1IO`'s business.
 """
 from typing import Any, Optional
 
@@ -53,3 +53,6 @@ class NanGuardHook(DrivenHook, Hook):
     def after_train_epoch(self, runner: Any) -> None:
         # The epoch's checkpoint was written before this hook ran: one agreed health check per epoch.
         self.driver.after_epoch(not self.io.saves.poisoned and state_finite(self.io.model(), self.io.optimizers()))
+
+    def after_run(self, runner: Any) -> None:
+        self.driver.finish()

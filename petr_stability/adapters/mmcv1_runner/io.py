@@ -34,6 +34,7 @@ from ...core.remedies import Change
 from ...core.safe_load import safe_load
 from ...core.watch.probe import ClipProbe, observing_clip
 from ..driver import STATE_KEY
+from .dashboards import LogView
 from .saves import SaveWatch
 
 __all__ = ["MMCV1IO", "completed_iters"]
@@ -56,6 +57,12 @@ class MMCV1IO(GuardIO):
         #: Checkpoint saves of a non-finite state, noticed as they happen and repaired after the recovery.
         self.saves = SaveWatch(self)
         self._logged_norms = 0
+        #: The loggers: the guard's latest values, a rollback's values kept out of the means, steps, text.
+        self.logs = LogView(runner)
+        counted = self.logs.count_iterations_run()
+        if counted:
+            self.log(f"NanGuard: the steps of {', '.join(counted)} count the iterations run, so that a rollback never "
+                     "sends them back (the text log keeps the runner's iteration numbers)")
 
     # -- objects
     def model(self) -> torch.nn.Module:
@@ -79,12 +86,14 @@ class MMCV1IO(GuardIO):
         if hook is None:
             self.log("NanGuard: no OptimizerHook registered; the guard sees no optimizer step", "warning")
             return
-        if not hook.grad_clip:
+        observing = not hook.grad_clip
+        if observing:
             hook.grad_clip = observing_clip()
             self.log("NanGuard: optimizer_config had no grad_clip; installed an observing clip (max_norm=inf) "
-                     "so that grad_norm is computed")
+                     "so that the guard reads grad_norm (the log shows none, as without the guard)")
         if not isinstance(hook.clip_grads, ClipProbe):
-            hook.clip_grads = ClipProbe(hook.clip_grads, skip_nonfinite=skip_nonfinite_fp32 and not self._fp16())
+            hook.clip_grads = ClipProbe(hook.clip_grads, skip_nonfinite=skip_nonfinite_fp32 and not self._fp16(),
+                                        quiet=observing)
         self.probe = hook.clip_grads
 
     # -- signals
@@ -140,6 +149,7 @@ class MMCV1IO(GuardIO):
         payload = {
             "state_dict": self.model().state_dict(),
             "optimizer": self._optim_state(),
+            "log_window": self.logs.window(),
         }
         if self._fp16():
             payload["fp16"] = {"loss_scaler": self.opt_hook.loss_scaler.state_dict()}
@@ -148,6 +158,7 @@ class MMCV1IO(GuardIO):
     def restore(self, payload: Payload) -> None:
         model, strict, payload = self.model(), payload.strict, payload.state
         model.load_state_dict(payload["state_dict"], strict=strict)
+        self.logs.rewind(payload.get("log_window"))
         on_cpu = next(model.parameters()).device.type == "cpu"
         for key, opt in self._optimizers().items():
             state = payload["optimizer"].get(key) if key else payload["optimizer"].get("", payload["optimizer"])
@@ -235,6 +246,7 @@ class MMCV1IO(GuardIO):
                 hook.start_iter = self.runner.iter
         at_epoch_end = not inside
         self.saves.rewrite(dict(state, **{_ITER_MARK: self.runner.iter - (1 if at_epoch_end else 0)}), at_epoch_end)
+        self.logs.say_rewound(self.log)
 
     def before_give_up(self) -> None:
         self.saves.leave_finite()
@@ -252,6 +264,7 @@ class MMCV1IO(GuardIO):
         epoch-end one), and the grad_norm log's length (did the OptimizerHook log one during it)."""
         self.runner.meta[STATE_KEY][_ITER_MARK] = self.runner.iter
         self._logged_norms = len(self._norm_history())
+        self.logs.mark()
 
     def resumed_state(self) -> Optional[Dict[str, Any]]:
         """The guard's state of a resumed run: ``runner.meta``, or the checkpoint ``IterBasedRunner.resume`` read."""
@@ -319,8 +332,11 @@ class MMCV1IO(GuardIO):
         # stacklevel: the log line names the guard's function that wrote it, not this method.
         self.runner.logger.log(_LEVELS.get(level, logging.INFO), msg, stacklevel=2)
 
-    def update_scalars(self, scalars: Dict[str, float]) -> None:
-        self.runner.log_buffer.update(dict(scalars))
+    def update_scalars(self, scalars: Dict[str, float], iterations_lost: int = 0) -> None:
+        self.logs.publish(scalars, iterations_lost)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self.logs.add_text(tag, text, step, self.log)
 
 
 def completed_iters(meta: Dict[str, Any], runner: Any) -> int:

@@ -3,7 +3,9 @@
 The hook forwards its lifecycle points to :class:`~petr_stability.adapters.driver.GuardDriver`: ``before_run``
 (bind; allow MMEngine's own resume under torch >= 2.6 when the run resumes or loads), ``before_train`` (start),
 ``before_train_iter`` / ``after_train_iter``, ``after_train_epoch``, ``before_save_checkpoint`` /
-``after_load_checkpoint``. Where things live in the runner is :class:`~.io.MMEngineIO`'s business.
+``after_load_checkpoint``, ``after_train`` (finish). ``before_train_iter``, ``before_val_epoch`` and ``after_train``
+also say which axis the visualizer's steps are on. Where things live in the runner is :class:`~.io.MMEngineIO`'s
+business.
 """
 from typing import Any, Dict, Optional
 
@@ -52,6 +54,7 @@ class NanGuardHook(DrivenHook, Hook):
 
     def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
         self.io.release_checkpoint_hooks()
+        self.io.steps.train()
         self.driver.before_iter(data_batch)
 
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
@@ -62,6 +65,14 @@ class NanGuardHook(DrivenHook, Hook):
 
     def after_train_epoch(self, runner: Any) -> None:
         self.driver.after_epoch()
+
+    def before_val_epoch(self, runner: Any) -> None:
+        if self.io is not None:
+            self.io.steps.validate()
+
+    def after_train(self, runner: Any) -> None:
+        self.io.steps.off()
+        self.driver.finish()
 
     def before_save_checkpoint(self, runner: Any, checkpoint: Dict[str, Any]) -> None:
         if self.guard is not None:

@@ -20,6 +20,7 @@ from ...core.safe_load import resolve_globals
 from ...core.watch.probe import ClipProbe, observing_clip
 from ..driver import STATE_KEY
 from .checkpoints import MMENGINE_CHECKPOINT_GLOBALS, load_mmengine_checkpoint
+from .dashboards import StepsRun, abandoned_values, add_text, publish_latest
 from .private import inner_count, set_inner_count, set_log_scalars, set_loop_iter, swap_ema_state_dict
 
 __all__ = ["MMEngineIO", "allow_mmengine_resume"]
@@ -38,6 +39,12 @@ class MMEngineIO(GuardIO):
         #: A CheckpointHook saves after this iteration (set by the hook, read as health_check_due).
         self.save_due = False
         self._held_save_begin: List[Tuple[Any, int]] = []
+        #: The visualizer's steps on the iteration axis: the iterations run (the hook says when they are).
+        self.steps = StepsRun(runner)
+        self.log("NanGuard: the visualizer's steps on the iteration axis count the iterations run, so that a rollback "
+                 "never sends them back (the text log keeps the runner's iteration numbers)")
+        self._abandoned: Dict[str, float] = {}
+        self._text_failed = False
 
     # -- objects
     def _wrappers(self) -> List[Tuple[str, Any]]:
@@ -57,15 +64,16 @@ class MMEngineIO(GuardIO):
         """Makes every optimizer step visible: an observing clip where none is configured, then the probe."""
         self.probes = []
         for name, w in self._wrappers():
-            if not getattr(w, "clip_grad_kwargs", None):
+            observing = not getattr(w, "clip_grad_kwargs", None)
+            if observing:
                 w.clip_grad_kwargs = observing_clip()
                 w.clip_func = torch.nn.utils.clip_grad_norm_
                 w.grad_name = "grad_norm"
                 self.log(f"NanGuard: {name} had no clip_grad; installed an observing clip (max_norm=inf) "
-                         "so that grad_norm is computed")
+                         "so that the guard reads grad_norm (the log shows none, as without the guard)")
             if not isinstance(w.clip_func, ClipProbe):
                 amp = hasattr(w, "loss_scaler")
-                w.clip_func = ClipProbe(w.clip_func, skip_nonfinite=skip_nonfinite_fp32 and not amp)
+                w.clip_func = ClipProbe(w.clip_func, skip_nonfinite=skip_nonfinite_fp32 and not amp, quiet=observing)
             self.probes.append(w.clip_func)
 
     # -- signals
@@ -161,6 +169,8 @@ class MMEngineIO(GuardIO):
             ema.ema_model.load_state_dict(state["ema_state_dict"], strict=False)
         hub = state.get("message_hub", {})
         if "log_scalars" in hub:
+            # The abandoned iterations' values leave the next line's means with them; the guard's line shows them.
+            self._abandoned = abandoned_values(self.runner.message_hub.log_scalars, hub["log_scalars"])
             set_log_scalars(self.runner.message_hub, copy.deepcopy(hub["log_scalars"]))
         # Gradient accumulation: the restored iteration's window, with nothing of the abandoned path's partial one.
         # A snapshot is a stepped iteration's state (its window closed: zero gradients, the count it had); a checkpoint
@@ -263,6 +273,11 @@ class MMEngineIO(GuardIO):
         return [s for s in self.lr_schedulers() if not getattr(s, "by_epoch", False)]
 
     def after_recovery(self, state: Dict[str, Any], inside: bool) -> None:
+        if self._abandoned:
+            shown = ", ".join(f"{k}: {v:.4f}" for k, v in self._abandoned.items())
+            self.log("NanGuard: the values the rolled-back iterations logged are kept out of the next log line's "
+                     f"means; the last of them: {shown}", "warning")
+            self._abandoned = {}
         # A rollback to the start state leaves the counter at -1 for the hooks after the guard in this iteration:
         # CheckpointHook would read (-1 + 1) % interval == 0 and save an iter_0.pth nobody asked for. Its
         # save_begin is held past -1 until the next iteration starts.
@@ -287,9 +302,15 @@ class MMEngineIO(GuardIO):
         # stacklevel: the log line names the guard's function that wrote it, not this method.
         MMLogger.get_current_instance().log(_LEVELS.get(level, logging.INFO), msg, stacklevel=2)
 
-    def update_scalars(self, scalars: Dict[str, float]) -> None:
-        for key, value in scalars.items():
-            self.runner.message_hub.update_scalar(f"train/{key}", value)
+    def update_scalars(self, scalars: Dict[str, float], iterations_lost: int = 0) -> None:
+        self.steps.lost = iterations_lost
+        publish_latest(self.runner.message_hub, scalars)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        failure = add_text(self.runner.visualizer, tag, text, step)
+        if failure and not self._text_failed:
+            self.log(f"NanGuard: could not write an incident to the vis backend {failure}", "warning")
+        self._text_failed = self._text_failed or bool(failure)
 
 
 def allow_mmengine_resume(log: Callable[..., None]) -> None:

@@ -1,14 +1,15 @@
 """MMEngine's private attributes the adapter must read or write, each behind one named accessor.
 
 No public API reaches these (a restore must set the loop's iteration counter, the wrappers' accumulation counters,
-the message hub's scalar history, and swap EMAHook's weights as EMAHook does). Each accessor fails loudly, naming
+the message hub's scalar history, and swap EMAHook's weights as EMAHook does; an incident's text goes to every vis
+backend, which the visualizer names only by key). Each accessor fails loudly, naming
 the attribute and the object, where an MMEngine release no longer has it: a silent ``setattr`` on a renamed
 attribute would leave the run half restored.
 """
 from typing import Any, Dict
 
 __all__ = ["MissingPrivateAttribute", "set_loop_iter", "inner_count", "set_inner_count", "set_log_scalars",
-           "swap_ema_state_dict"]
+           "swap_ema_state_dict", "vis_backends"]
 
 
 class MissingPrivateAttribute(AttributeError):
@@ -48,3 +49,8 @@ def set_log_scalars(message_hub: Any, log_scalars: Dict[str, Any]) -> None:
 def swap_ema_state_dict(ema_hook: Any, checkpoint: Dict[str, Any]) -> None:
     """Swaps a checkpoint's ``state_dict`` and ``ema_state_dict`` as EMAHook does (``EMAHook._swap_ema_state_dict``)."""
     _require(ema_hook, "_swap_ema_state_dict")(checkpoint)
+
+
+def vis_backends(visualizer: Any) -> Dict[str, Any]:
+    """The visualizer's backends by name (``Visualizer._vis_backends``; ``get_backend`` needs the name)."""
+    return dict(_require(visualizer, "_vis_backends"))

@@ -26,11 +26,15 @@ class ClipProbe:
         skip_nonfinite: drop all gradients of a step whose norm is non-finite, so the optimizer skips it
             (``p.grad = None`` makes every torch optimizer leave the parameter and its state alone). Meant
             for fp32, where nothing else stops a NaN update; under a loss scaler leave it False.
+        quiet: return None to the runner instead of the norm, for the guard's own observing clip (installed where
+            none is configured): the runner then logs no ``grad_norm``, exactly as without the guard, and a
+            skipped step's inf or NaN norm reaches no log. The guard still reads the norm. Defaults to False.
     """
 
-    def __init__(self, clip_fn: Callable[..., Any], skip_nonfinite: bool = False) -> None:
+    def __init__(self, clip_fn: Callable[..., Any], skip_nonfinite: bool = False, quiet: bool = False) -> None:
         self.clip_fn = clip_fn
         self.skip_nonfinite = skip_nonfinite
+        self.quiet = quiet
         self._calls = 0
         self._skipped = 0
         self._norm: Any = None
@@ -44,7 +48,7 @@ class ClipProbe:
             for p in params:
                 p.grad = None
             self._skipped += 1
-        return norm
+        return None if self.quiet else norm
 
     @property
     def stepped(self) -> bool:
@@ -56,11 +60,12 @@ class ClipProbe:
 
         Args:
             host_norm: the same step's norm as a float the runner already read (MMEngine's message hub, MMCV's
-                log buffer). Passing it avoids a second device read of the norm tensor on CUDA.
+                log buffer). Passing it avoids a second device read of the norm tensor on CUDA. Ignored when
+                :attr:`quiet` (the runner logged none: what it holds is another's, or an older one).
         """
         stepped, norm, skipped = self._calls > 0, self._norm, self._skipped > 0
         self._calls, self._skipped, self._norm = 0, 0, None
-        if stepped and host_norm is not None:
+        if stepped and host_norm is not None and not self.quiet:
             return stepped, float(host_norm), skipped
         if isinstance(norm, torch.Tensor):
             norm = float(norm)
