@@ -31,12 +31,15 @@ class TorchLoopIO(GuardIO):
         config: the run's config (any dict), for the patched config written after an incident. Defaults to None.
         loader: the training ``DataLoader`` (bad samples are quarantined through its sampler). Defaults to None.
         schedulers: torch LR schedulers (a learning-rate backoff scales them too). Defaults to ().
+        max_iters: the loop's last iteration count, where known: under a process group its verdict is then agreed
+            at once (the others are agreed during the next iteration; without it, call ``driver.after_epoch()``
+            after the last iteration). Defaults to None.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any = None,
                  clip_kwargs: Optional[Dict[str, Any]] = None, work_dir: Optional[str] = None,
                  log_fn: Callable[[str], Any] = print, config: Optional[Dict[str, Any]] = None, loader: Any = None,
-                 schedulers: Sequence[Any] = ()) -> None:
+                 schedulers: Sequence[Any] = (), max_iters: Optional[int] = None) -> None:
         self.work_dir = work_dir
         self.net = model
         self.opt = optimizer
@@ -51,6 +54,7 @@ class TorchLoopIO(GuardIO):
         self.config = config
         self.loader = loader
         self.schedulers = list(schedulers)
+        self.max_iters = max_iters
 
     def clip(self, params: Any) -> Any:
         """Clips (and observes) the gradients of ``params`` with the live clip arguments."""
@@ -98,6 +102,9 @@ class TorchLoopIO(GuardIO):
 
     def set_counter(self, value: int) -> None:
         self.iter = value
+
+    def verdict_due_now(self) -> bool:
+        return self.max_iters is not None and self.iter + 1 >= self.max_iters
 
     def train_loader(self) -> Any:
         return self.loader

@@ -11,22 +11,33 @@ returns its record; every remedy (a stalled scale made dynamic, the adaptive cli
 included) is the policy's to dispatch (:class:`~petr_stability.core.recovery.policy.CausePolicy`): the watch only
 watches.
 """
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 from . import distributed
 from .batches import BatchWatch
 from .config import GuardConfig
-from .port import GuardIO
+from .port import GuardIO, StepReading
 from .records import Event, IncidentLog
 from .recovery.chain import Incident, IncidentChain
 from .recovery.policy import CausePolicy
 from .recovery.restore import RestorePoints
+from .watch.agreement import StepAgreement
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
 from .watch.health import nonfinite_attributes, state_finite
 from .watch.skips import SkippedSteps
 from .watch.spikes import GradNormMonitor
 
 __all__ = ["NanGuard"]
+
+
+class _Step(NamedTuple):
+    """What acting on one step's verdict needs, kept while its verdict is agreed (issue 35: one iteration later)."""
+
+    signals: StepSignals
+    decision: Decision
+    reading: StepReading
+    snapshot_due: bool
+    epoch: int
 
 
 class NanGuard:
@@ -50,6 +61,8 @@ class NanGuard:
         self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
         self.skips = SkippedSteps(io, self.batches, self.policy)
         self.stalls = 0
+        #: Each step's verdict agreed across ranks: under a process group one iteration later, off the critical path.
+        self.agreement = StepAgreement()
         self._bad_attributes: List[str] = []
         #: Every record written since the driver last took them (:meth:`take_records`), on every rank.
         self.records: List[Dict[str, Any]] = []
@@ -134,8 +147,14 @@ class NanGuard:
 
     # ------------------------------------------------------------------ the per-iteration path
     def after_iter(self) -> Decision:
-        """Runs once per training iteration, after the optimizer step; returns the agreed decision."""
-        iteration, _ = self.io.completed(inside=True)
+        """Runs once per training iteration, after the optimizer step; returns the agreed decision it acted on.
+
+        Under a process group a step's verdict is agreed during the next iteration (docs/distributed.md, "Agreeing
+        off the critical path"): this acts on the previous step's and sends this one's, and returns the previous
+        step's decision (this rank's own where none came); snapshot steps and steps the runner uses at once
+        (:meth:`~.port.GuardIO.verdict_due_now`) are agreed and acted on here, as without one.
+        """
+        iteration, epoch = self.io.completed(inside=True)
         reading = self.io.read_step()
         signals = StepSignals(iteration, reading.stepped, reading.grad_norm, reading.loss, None, self.io.scale_mode())
         if reading.skipped_by_guard:
@@ -145,23 +164,57 @@ class NanGuard:
         snapshot_due = reading.stepped and (len(self.points.ring) == 0
                                             or iteration % self.config.snapshot_interval == 0)
         self._check(signals, snapshot_due)
-        decision = self.detector.observe(signals)
-        agreed = Verdict(distributed.reduce_max([int(decision.verdict)])[0])
+        step = _Step(signals, self.detector.observe(signals), reading, snapshot_due, epoch)
+        # -- issue 35: the agreement, off the critical path under a process group (docs/distributed.md)
+        decision = step.decision
+        if self.agreement.pending:
+            counter = self.io.counter()
+            running = self.batches.take_held()
+            decision = self._act(*self.agreement.take(), inside=True)
+            if self.io.counter() != counter:  # rolled back: this iteration belongs to the abandoned path
+                self._publish(signals.loss_scale)
+                return decision
+            self.batches.put_back(running)
+        if self.agreement.defers() and not (snapshot_due or self.io.verdict_due_now()):
+            self.agreement.submit(step.decision.verdict, step)
+            self.batches.hold()
+        else:
+            decision = self._act(self.agreement.now(step.decision.verdict), step, inside=True)
+        # -- end of issue 35
+        self._publish(signals.loss_scale)
+        return decision
+
+    def _act(self, agreed: Verdict, step: _Step, inside: bool) -> Decision:
+        """Acts on a step's agreed verdict (this iteration's, or the previous one's under a process group)."""
+        signals, decision, reading = step.signals, step.decision, step.reading
         if agreed != decision.verdict:
             decision = Decision(agreed, f"another rank reported {agreed.name} ({decision.reason or 'here: healthy'})")
         if agreed == Verdict.HEALTHY:
             if reading.stepped:
-                self._on_healthy(reading.grad_norm, iteration, snapshot_due)
+                self._on_healthy(reading.grad_norm, signals.iteration, step.snapshot_due)
         elif agreed == Verdict.OVERFLOW:
             self._on_overflow(signals, decision)
         elif agreed == Verdict.STALLED:
             self.skips.skipped_steps += 1
-            self._on_stall(signals, decision)
+            self._on_stall(signals, decision, inside, step.epoch)
         else:
-            self._recover(signals, decision, inside=True)
-        self.batches.end(iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped)
-        self._publish(signals.loss_scale)
+            self._recover(signals, decision, inside, step.epoch)
+        self.batches.end(signals.iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped)
         return decision
+
+    def settle(self, inside: bool) -> bool:
+        """Acts on a step's verdict still being agreed (under a process group) before the guard works outside
+        :meth:`after_iter` (an epoch's end, the end of training); every rank calls it at the same point. Returns
+        whether that rolled the state back."""
+        if not self.agreement.pending:
+            return False
+        counter = self.io.counter()
+        running = self.batches.take_held()
+        verdict, step = self.agreement.take()
+        self._act(verdict, step, inside)
+        self.batches.put_back(running)
+        self._publish(step.signals.loss_scale)
+        return self.io.counter() != counter
 
     def _check(self, signals: StepSignals, snapshot_due: bool) -> None:
         """The health checks this step gets: at once when suspicious, on snapshot and save steps, then routinely."""
@@ -205,11 +258,11 @@ class NanGuard:
             if skip.error is not None:
                 raise skip.error
 
-    def _on_stall(self, signals: StepSignals, decision: Decision) -> None:
+    def _on_stall(self, signals: StepSignals, decision: Decision, inside: bool, epoch: int) -> None:
         changes = self.policy.on_stall(self.io, signals.iteration)
         if not changes:
             self._recover(signals, Decision(Verdict.DIVERGED, decision.reason + "; no scale remedy available"),
-                          inside=True)
+                          inside, epoch)
             return
         self.stalls += 1
         self.detector.reset()
@@ -234,10 +287,12 @@ class NanGuard:
         return True
 
     # ------------------------------------------------------------------ recovery
-    def _recover(self, signals: StepSignals, decision: Decision, inside: bool) -> None:
-        iteration, epoch = self.io.completed(inside)
-        incident = self.chain.run(Incident(signals, decision, inside, iteration, epoch, self.batches.batch,
-                                           self.batches.rng, list(self._bad_attributes)))
+    def _recover(self, signals: StepSignals, decision: Decision, inside: bool, epoch: Optional[int] = None) -> None:
+        # issue 35: the step's own iteration and epoch; acted on now, at `acted_at` (one iteration later under a group)
+        acted_at, now_epoch = self.io.completed(inside)
+        incident = self.chain.run(Incident(signals, decision, inside, signals.iteration,
+                                           now_epoch if epoch is None else epoch, self.batches.batch,
+                                           self.batches.rng, list(self._bad_attributes), acted_at=acted_at))
         if incident.error is not None:  # the record first, then the error
             self._emit(incident.record)
             raise incident.error
@@ -248,13 +303,17 @@ class NanGuard:
         self.policy.after_incident(self.io)
 
     def recover_now(self, reason: str, inside: bool) -> None:
-        """Runs the recovery path at once (a non-finite state found outside a step's own signals)."""
+        """Runs the recovery path at once (a non-finite state found outside a step's own signals; a step's verdict
+        still being agreed is :meth:`settle` first)."""
+        if self.settle(inside):  # that restored a healthy state: the state found non-finite is gone
+            return
         iteration, _ = self.io.completed(inside)
         self._recover(StepSignals(iteration, weights_finite=False), Decision(Verdict.DIVERGED, reason), inside)
         self._publish()
 
     def all_ranks_healthy(self, healthy_here: bool) -> bool:
-        """Agrees across ranks on a health reading taken outside :meth:`after_iter`."""
+        """Agrees across ranks on a health reading taken outside :meth:`after_iter` (once per epoch at most: a blocking
+        all-reduce, not one per step; a verdict still being agreed is :meth:`settle` first, by the driver)."""
         return distributed.reduce_max([0 if healthy_here else 1])[0] == 0
 
     # ------------------------------------------------------------------ records and scalars

@@ -84,6 +84,9 @@ class Incident:
     stop: Optional[tuple] = None  # (error type, why) once the run must end
     record: Optional[Dict[str, Any]] = None  #: the incident record, once written out by RECORD or GIVE_UP
     error: Optional[Exception] = None  #: the error to raise after writing the record (GIVE_UP)
+    #: issue 35: completed iterations when the guard acts on it (``iteration`` + 1 where the ranks agreed on the step's
+    #: verdict during the next iteration; 0: ``iteration``). The run trained that far on the path it abandons.
+    acted_at: int = 0
 
 
 class IncidentChain:
@@ -279,7 +282,7 @@ class IncidentChain:
         self.io.restore(payload)
         self.io.rewind(payload.iteration, inc.inside)
         self.points.drop_after(payload.iteration)
-        inc.restored, inc.lost = payload, max(0, inc.iteration - payload.iteration)
+        inc.restored, inc.lost = payload, max(0, max(inc.iteration, inc.acted_at) - payload.iteration)
         self.actions_tried.append(f"iter {inc.iteration}: rollback to {payload.source} (iter {payload.iteration})")
         later, inc.temporal = self.policy.after_restore(inc.cls, self.io, payload, self.recoveries + 1)
         self.note(inc.iteration, later)
@@ -323,6 +326,8 @@ class IncidentChain:
             self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
 
     def _base(self, inc: Incident, event: Event, changes: List[Change], **fields: Any) -> Dict[str, Any]:
+        if inc.acted_at > inc.iteration:  # issue 35: agreed during the next iteration
+            fields["acted_at"] = inc.acted_at
         return self.record(event, inc.signals, inc.decision, changes, inc.attributes, **fields)
 
     def record(self, event: Event, signals: StepSignals, decision: Decision, changes: List[Change],
