@@ -109,10 +109,10 @@ def reduce_max_async(values: List[int], buffer: Optional[torch.Tensor] = None) -
     elif buffer.dtype != torch.int64 or buffer.numel() != len(values) or buffer.device.type != "cpu":
         raise ValueError(f"buffer must be an int64 CPU tensor of {len(values)} elements, got {buffer.dtype} "
                          f"{tuple(buffer.shape)} on {buffer.device}")
+    elif len(values) == 1:
+        t = buffer.fill_(values[0])
     else:
-        t = buffer
-        for i, v in enumerate(values):
-            t[i] = v
+        t = buffer.copy_(torch.tensor(values, dtype=torch.int64))
     if not is_distributed():
         return PendingMax(t, None)
     return PendingMax(t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group(), async_op=True))

@@ -11,7 +11,7 @@ returns its record; every remedy (a stalled scale made dynamic, the adaptive cli
 included) is the policy's to dispatch (:class:`~petr_stability.core.recovery.policy.CausePolicy`): the watch only
 watches.
 """
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from . import distributed
 from .batches import BatchWatch
@@ -21,6 +21,7 @@ from .records import Event, IncidentLog
 from .recovery.chain import Incident, IncidentChain
 from .recovery.policy import CausePolicy
 from .recovery.restore import RestorePoints
+from .recovery.snapshot import Snapshot
 from .watch.agreement import StepAgreement
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
 from .watch.health import nonfinite_attributes, state_finite
@@ -38,6 +39,19 @@ class _Step(NamedTuple):
     reading: StepReading
     snapshot_due: bool
     epoch: int
+    #: Taken at the step's own iteration while its verdict is agreed; enters the ring only if that verdict is healthy.
+    snapshot: Optional[Snapshot] = None
+
+
+def _snapshot_ahead(points: RestorePoints, iteration: int, epoch: int, generation: int,
+                    tags: Dict[str, Any]) -> Snapshot:
+    """issue 35: the snapshot of a step whose verdict is still being agreed, taken now (the state moves on). It reuses
+    the buffers of the ring's next evictable snapshot, which leaves the ring now on every rank alike, and it enters the
+    ring once the step's agreed verdict is healthy (a state of a path that diverged never does)."""
+    snap = points.take(iteration, epoch, recycle=True, generation=generation, **tags)
+    points.ring.add(snap)  # evicts the snapshot whose buffers it reused, as every add does...
+    points.ring.snapshots.remove(snap)  # ...and waits outside the ring for its verdict
+    return snap
 
 
 class NanGuard:
@@ -147,13 +161,9 @@ class NanGuard:
 
     # ------------------------------------------------------------------ the per-iteration path
     def after_iter(self) -> Decision:
-        """Runs once per training iteration, after the optimizer step; returns the agreed decision it acted on.
-
-        Under a process group a step's verdict is agreed during the next iteration (docs/distributed.md, "Agreeing
-        off the critical path"): this acts on the previous step's and sends this one's, and returns the previous
-        step's decision (this rank's own where none came); snapshot steps and steps the runner uses at once
-        (:meth:`~.port.GuardIO.verdict_due_now`) are agreed and acted on here, as without one.
-        """
+        """Runs once per training iteration, after the optimizer step; returns the agreed decision it acted on. Under
+        a process group that is mostly the previous step's, this one's being agreed meanwhile (docs/distributed.md,
+        "Agreeing off the critical path"); this rank's own decision where none came."""
         iteration, epoch = self.io.completed(inside=True)
         reading = self.io.read_step()
         signals = StepSignals(iteration, reading.stepped, reading.grad_norm, reading.loss, None, self.io.scale_mode())
@@ -166,16 +176,13 @@ class NanGuard:
         self._check(signals, snapshot_due)
         step = _Step(signals, self.detector.observe(signals), reading, snapshot_due, epoch)
         # -- issue 35: the agreement, off the critical path under a process group (docs/distributed.md)
-        decision = step.decision
-        if self.agreement.pending:
-            counter = self.io.counter()
-            running = self.batches.take_held()
-            decision = self._act(*self.agreement.take(), inside=True)
-            if self.io.counter() != counter:  # rolled back: this iteration belongs to the abandoned path
-                self._publish(signals.loss_scale)
-                return decision
-            self.batches.put_back(running)
-        if self.agreement.defers() and not (snapshot_due or self.io.verdict_due_now()):
+        decision, rolled_back = self._act_on_pending(True) if self.agreement.pending else (step.decision, False)
+        if rolled_back:
+            pass  # this iteration belongs to the abandoned path: its verdict is never sent
+        elif self.agreement.defers() and len(self.points.ring) > 0 and not self.io.verdict_due_now():
+            if snapshot_due:
+                step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
+                                                              self.policy.tags()))
             self.agreement.submit(step.decision.verdict, step)
             self.batches.hold()
         else:
@@ -191,7 +198,7 @@ class NanGuard:
             decision = Decision(agreed, f"another rank reported {agreed.name} ({decision.reason or 'here: healthy'})")
         if agreed == Verdict.HEALTHY:
             if reading.stepped:
-                self._on_healthy(reading.grad_norm, signals.iteration, step.snapshot_due)
+                self._on_healthy(reading.grad_norm, signals.iteration, step.snapshot_due, step.snapshot)
         elif agreed == Verdict.OVERFLOW:
             self._on_overflow(signals, decision)
         elif agreed == Verdict.STALLED:
@@ -202,19 +209,26 @@ class NanGuard:
         self.batches.end(signals.iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped)
         return decision
 
+    def _act_on_pending(self, inside: bool) -> Tuple[Decision, bool]:
+        """Acts on the step whose verdict was being agreed, its batch back in hand meanwhile; returns the decision and
+        whether it rolled back (the running iteration's batch is then abandoned with its path)."""
+        counter = self.io.counter()
+        running = self.batches.take_held()
+        decision = self._act(*self.agreement.take(), inside=inside)
+        if self.io.counter() != counter:
+            return decision, True
+        self.batches.put_back(running)
+        return decision, False
+
     def settle(self, inside: bool) -> bool:
         """Acts on a step's verdict still being agreed (under a process group) before the guard works outside
         :meth:`after_iter` (an epoch's end, the end of training); every rank calls it at the same point. Returns
         whether that rolled the state back."""
         if not self.agreement.pending:
             return False
-        counter = self.io.counter()
-        running = self.batches.take_held()
-        verdict, step = self.agreement.take()
-        self._act(verdict, step, inside)
-        self.batches.put_back(running)
-        self._publish(step.signals.loss_scale)
-        return self.io.counter() != counter
+        rolled_back = self._act_on_pending(inside)[1]
+        self._publish()
+        return rolled_back
 
     def _check(self, signals: StepSignals, snapshot_due: bool) -> None:
         """The health checks this step gets: at once when suspicious, on snapshot and save steps, then routinely."""
@@ -229,11 +243,14 @@ class NanGuard:
             # A check already waited for the device here: publish the scale too, for the logs and the report.
             signals.loss_scale = self.io.loss_scale()
 
-    def _on_healthy(self, grad_norm: Optional[float], iteration: int, snapshot_due: bool) -> None:
+    def _on_healthy(self, grad_norm: Optional[float], iteration: int, snapshot_due: bool,
+                    taken: Optional[Snapshot] = None) -> None:
         self._watch_grad_norm(grad_norm, iteration)
         self.points.ring.tick()
         self.chain.close_if_held()
-        if snapshot_due:
+        if taken is not None:  # issue 35: taken at its own iteration, its verdict agreed healthy since
+            self.points.ring.add(taken)
+        elif snapshot_due:
             _, epoch = self.io.completed(inside=True)
             self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.recoveries,
                                                   **self.policy.tags()))
@@ -303,8 +320,8 @@ class NanGuard:
         self.policy.after_incident(self.io)
 
     def recover_now(self, reason: str, inside: bool) -> None:
-        """Runs the recovery path at once (a non-finite state found outside a step's own signals; a step's verdict
-        still being agreed is :meth:`settle` first)."""
+        """Runs the recovery path at once (a non-finite state found outside a step's own signals), after
+        :meth:`settle`."""
         if self.settle(inside):  # that restored a healthy state: the state found non-finite is gone
             return
         iteration, _ = self.io.completed(inside)
@@ -312,8 +329,8 @@ class NanGuard:
         self._publish()
 
     def all_ranks_healthy(self, healthy_here: bool) -> bool:
-        """Agrees across ranks on a health reading taken outside :meth:`after_iter` (once per epoch at most: a blocking
-        all-reduce, not one per step; a verdict still being agreed is :meth:`settle` first, by the driver)."""
+        """Agrees across ranks on a health reading taken outside :meth:`after_iter`: a blocking all-reduce, once per
+        epoch at most (the driver settles a verdict still being agreed first: :meth:`settle`)."""
         return distributed.reduce_max([0 if healthy_here else 1])[0] == 0
 
     # ------------------------------------------------------------------ records and scalars

@@ -73,17 +73,34 @@ def test_step_agreement_carries_one_step_at_a_time(one_rank_group):
 
 
 # ------------------------------------------------------------------ the guard under a process group
-def test_healthy_steps_wait_for_no_rank_and_snapshot_steps_agree_at_once(tmp_path, one_rank_group):
+def test_healthy_steps_wait_for_no_rank_and_their_snapshots_enter_the_ring_once_agreed(tmp_path, one_rank_group):
     io = FakeIO(str(tmp_path))
-    guard = make_guard(io)  # snapshot_interval=5
-    verdicts = run(io, guard, 22)
+    guard = make_guard(io)  # snapshot_interval=5, keep_snapshots=3
+    verdicts = run(io, guard, 20)
     assert {v for _, v in verdicts} == {"HEALTHY"}
-    # Agreed at once: iteration 1 (the ring is empty: the first snapshot), 5, 10, 15, 20; the others one iteration
-    # later, the last (22) still on its way.
-    assert (guard.agreement.blocking, guard.agreement.deferred) == (5, 17)
+    # Agreed at once: iteration 1 only (no snapshot exists yet: the first one is taken with its verdict); every other
+    # step one iteration later, snapshot steps included; the last (20) is still on its way.
+    assert (guard.agreement.blocking, guard.agreement.deferred) == (1, 19)
     assert guard.agreement.pending and guard.batches.held is not None
-    assert [s.iteration for s in guard.points.ring.snapshots] == [10, 15, 20]
+    # Iteration 20's snapshot is taken (into the buffers of the oldest, 5, which left the ring) but not in the ring
+    # before its verdict.
+    assert [s.iteration for s in guard.points.ring.snapshots] == [10, 15]
     assert not guard.settle(inside=False) and not guard.agreement.pending
+    assert [s.iteration for s in guard.points.ring.snapshots] == [10, 15, 20]
+    assert [s.clean_steps for s in guard.points.ring.snapshots] == [10, 5, 0]  # as without a process group
+
+
+def test_a_snapshot_of_a_step_that_diverged_never_becomes_a_restore_point(tmp_path, one_rank_group):
+    io = FakeIO(str(tmp_path), mode="none", skip=False)
+    # confirm_steps=0: a snapshot counts as healthy at once, so a snapshot of iteration 15 in the ring would come first.
+    guard = make_guard(io, skip_nonfinite_fp32=False, confirm_steps=0)
+    run(io, guard, 25, faults={14: "grad"})  # iteration 15, a snapshot step, applies a non-finite gradient
+    # Its snapshot was taken at iteration 15 (into the buffers of iteration 1's, which left the ring), then discarded
+    # with the agreed verdict: the rollback goes to the newest snapshot before it.
+    assert io.restores == [10]
+    (rec,) = read_incidents(str(tmp_path))
+    assert (rec["iteration"], rec["acted_at"], rec["restored_from"]["iteration"], rec["iterations_lost"]) == (
+        15, 16, 10, 6)
 
 
 def test_a_single_process_acts_at_once_and_sends_nothing(tmp_path):
