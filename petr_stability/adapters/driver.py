@@ -119,12 +119,17 @@ class GuardDriver:
             self._write_config()
 
     def after_epoch(self, healthy_here: Optional[bool] = None) -> None:
-        """The epoch's last iteration was counted; with ``healthy_here``, an agreed health check outside a step
-        (MMCV 1.x: the epoch's checkpoint was written before this point)."""
+        """The epoch's last iteration was counted (also the end of an iteration-based run); with ``healthy_here``, an
+        agreed health check outside a step (MMCV 1.x: the epoch's checkpoint was written before this point)."""
         self.inside = False
-        if healthy_here is None:
+        if self.guard.agreement.pending:
+            # issue 35: the last step's verdict, still being agreed under a process group, is acted on first; a
+            # rollback there restored a healthy state, which a reading taken before it no longer describes.
+            if self._guarded(lambda: self.guard.settle(inside=False)):
+                healthy_here = None
+        elif healthy_here is None:
             return
-        if not self.guard.all_ranks_healthy(healthy_here):
+        if healthy_here is not None and not self.guard.all_ranks_healthy(healthy_here):
             self._guarded(lambda: self.guard.recover_now("non-finite state at the end of the epoch", inside=False))
         self.io.store_state(self.state_dict())
         self.io.after_step()
@@ -168,9 +173,9 @@ class GuardDriver:
         return self.guard.state_dict()
 
     # ------------------------------------------------------------------ internals
-    def _guarded(self, step: Callable[[], Any], give_up: bool = True) -> None:
+    def _guarded(self, step: Callable[[], Any], give_up: bool = True) -> Any:
         try:
-            step()
+            result = step()
         except NanGuardError:
             self._after_records()
             if give_up:
@@ -178,6 +183,7 @@ class GuardDriver:
                 self.guard.incidents.close()  # the give-up record too: on disk, or in the log
             raise
         self._after_records()
+        return result
 
     def _after_records(self) -> None:
         # After every incident (and on giving up) the patched config follows the guard's records.

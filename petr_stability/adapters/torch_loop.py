@@ -34,12 +34,15 @@ class TorchLoopIO(GuardIO):
         writer: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar`` / ``add_text``): the guard's scalars
             after every iteration and each incident as text, at the iterations run (a rollback never sends the step
             back). Defaults to None.
+        max_iters: the loop's last iteration count, where known: under a process group its verdict is then agreed
+            at once (the others are agreed during the next iteration; without it, call ``driver.after_epoch()``
+            after the last iteration). Defaults to None.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any = None,
                  clip_kwargs: Optional[Dict[str, Any]] = None, work_dir: Optional[str] = None,
                  log_fn: Callable[[str], Any] = print, config: Optional[Dict[str, Any]] = None, loader: Any = None,
-                 schedulers: Sequence[Any] = (), writer: Any = None) -> None:
+                 schedulers: Sequence[Any] = (), writer: Any = None, max_iters: Optional[int] = None) -> None:
         self.work_dir = work_dir
         self.net = model
         self.opt = optimizer
@@ -55,6 +58,7 @@ class TorchLoopIO(GuardIO):
         self.loader = loader
         self.schedulers = list(schedulers)
         self.writer = writer
+        self.max_iters = max_iters
 
     def clip(self, params: Any) -> Any:
         """Clips (and observes) the gradients of ``params`` with the live clip arguments."""
@@ -103,6 +107,9 @@ class TorchLoopIO(GuardIO):
 
     def set_counter(self, value: int) -> None:
         self.iter = value
+
+    def verdict_due_now(self) -> bool:
+        return self.max_iters is not None and self.iter + 1 >= self.max_iters
 
     def train_loader(self) -> Any:
         return self.loader

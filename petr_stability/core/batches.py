@@ -44,6 +44,10 @@ class BatchWatch:
         #: The first iteration of the running accumulation window (gradients summed since then, stepped at its end).
         self.window_start = 1
         self._rewound: Optional[int] = None
+        #: (batch, RNG state, indices) of the iteration whose verdict is still being agreed across ranks (one iteration
+        #: later under a process group), set aside by :meth:`hold` until :meth:`take_held` brings it back in hand to be
+        #: acted on and ended.
+        self.held: Optional[Tuple[Any, Optional[Dict[str, Any]], Optional[List[int]]]] = None
 
     def attach(self, skip: Any, log: Callable[..., None]) -> None:
         """Tracks the training loader's indices (and applies ``skip`` to them) once the loader exists."""
@@ -84,6 +88,26 @@ class BatchWatch:
         elif self.good_batch is None:
             self.untrained += 1
         self.batch = self.rng = self.indices = None
+
+    # -- issue 35 (agreement one iteration later): the batch in hand waits for its verdict one iteration longer
+    def hold(self) -> None:
+        """The batch in hand (with its RNG state and indices) waits for its verdict, agreed one iteration later: it
+        is set aside, neither the last good batch nor served yet."""
+        self.held = (self.batch, self.rng, self.indices)
+        self.batch = self.rng = self.indices = None
+
+    def take_held(self) -> Tuple[Any, Optional[Dict[str, Any]], Optional[List[int]]]:
+        """Brings the held batch back in hand, its verdict come (a diagnosis replays it, :meth:`end` ends it); returns
+        the running iteration's batch, set aside meanwhile: :meth:`put_back` it after, unless a rollback abandoned
+        it."""
+        running = (self.batch, self.rng, self.indices)
+        self.batch, self.rng, self.indices = self.held or (None, None, None)
+        self.held = None
+        return running
+
+    def put_back(self, running: Tuple[Any, Optional[Dict[str, Any]], Optional[List[int]]]) -> None:
+        """The running iteration's batch back in hand (after :meth:`take_held`)."""
+        self.batch, self.rng, self.indices = running
 
     def served_through(self, iteration: int) -> List[Tuple[int, Optional[List[int]]]]:
         """The iterations trained on the current path up to ``iteration``, the running one (the batch in hand)

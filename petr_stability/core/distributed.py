@@ -13,6 +13,8 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "reduce_max",
+    "PendingMax",
+    "reduce_max_async",
     "broadcast_object",
     "gather",
     "strip_tensors",
@@ -65,6 +67,55 @@ def reduce_max(values: List[int]) -> List[int]:
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group())
     return [int(v) for v in t.tolist()]
+
+
+class PendingMax:
+    """An element-wise MAX over all ranks in flight on the host group: issued by :func:`reduce_max_async`, read by
+    :meth:`wait` (at once without a process group)."""
+
+    __slots__ = ("_values", "_work")
+
+    def __init__(self, values: torch.Tensor, work: Any) -> None:
+        self._values, self._work = values, work
+
+    def wait(self) -> List[int]:
+        """Waits until every rank's values have arrived (a no-op once they have) and returns the maximum.
+
+        Raises:
+            RuntimeError: the collective failed (a rank died: gloo reports its closed connection), or timed out after
+                the process group's timeout.
+        """
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+        return [int(v) for v in self._values.tolist()]
+
+
+def reduce_max_async(values: List[int], buffer: Optional[torch.Tensor] = None) -> PendingMax:
+    """Starts :func:`reduce_max` without waiting for it: the all-reduce runs on gloo's own threads while this rank goes
+    on, and :meth:`PendingMax.wait` reads it later.
+
+    Every rank must issue the same collectives on the host group in the same order (an issued one counts where it is
+    issued, not where it is waited for); between issuing and waiting a rank may run other collectives. Not
+    distributed: the values themselves, nothing in flight.
+
+    Args:
+        values: this rank's integers.
+        buffer: an int64 CPU tensor of ``len(values)`` elements to reduce in (filled here; nothing else may touch it
+            until :meth:`PendingMax.wait` returned). Defaults to a new one.
+    """
+    if buffer is None:
+        t = torch.tensor(values, dtype=torch.int64)
+    elif buffer.dtype != torch.int64 or buffer.numel() != len(values) or buffer.device.type != "cpu":
+        raise ValueError(f"buffer must be an int64 CPU tensor of {len(values)} elements, got {buffer.dtype} "
+                         f"{tuple(buffer.shape)} on {buffer.device}")
+    elif len(values) == 1:
+        t = buffer.fill_(values[0])
+    else:
+        t = buffer.copy_(torch.tensor(values, dtype=torch.int64))
+    if not is_distributed():
+        return PendingMax(t, None)
+    return PendingMax(t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group(), async_op=True))
 
 
 def gather(obj: Any) -> List[Any]:

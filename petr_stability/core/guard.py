@@ -12,23 +12,58 @@ non-finite loss) are its entry points, and it returns their records. Remedies ar
 policy fires (:class:`~petr_stability.core.recovery.policy.CausePolicy`): the watch only watches.
 """
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ..configfix.patch import ConfigFix
 from . import distributed
 from .batches import BatchWatch
 from .config import GuardConfig
-from .port import GuardIO
+from .port import GuardIO, StepReading
 from .records import IncidentLog
 from .recovery.chain import Entry, Incident, IncidentChain
 from .recovery.policy import CausePolicy
 from .recovery.restore import RestorePoints
+from .recovery.snapshot import Snapshot
 from .remedies.base import Remedy, When
+from .watch.agreement import StepAgreement
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
 from .watch.health import nonfinite_attributes, state_finite
 from .watch.spikes import GradNormMonitor
 
 __all__ = ["NanGuard"]
+
+
+class _Step(NamedTuple):
+    """What acting on one step's verdict needs, kept while its verdict is agreed (one iteration later under a process
+    group: docs/distributed.md, "Agreeing off the critical path")."""
+
+    signals: StepSignals
+    decision: Decision
+    reading: StepReading
+    snapshot_due: bool
+    epoch: int
+    #: Taken at the step's own iteration while its verdict is agreed; enters the ring only if that verdict is healthy.
+    snapshot: Optional[Snapshot] = None
+
+
+def _snapshot_ahead(points: RestorePoints, iteration: int, epoch: int, generation: int,
+                    tags: Dict[str, Any]) -> Snapshot:
+    """The snapshot of a step whose verdict is still being agreed, taken now (the state moves on). It reuses
+    the buffers of the ring's next evictable snapshot, which leaves the ring now on every rank alike, and it enters the
+    ring once the step's agreed verdict is healthy (a state of a path that diverged never does)."""
+    snap = points.take(iteration, epoch, recycle=True, generation=generation, tags=tags)
+    points.ring.add(snap)  # evicts the snapshot whose buffers it reused, as every add does...
+    points.ring.snapshots.remove(snap)  # ...and waits outside the ring for its verdict
+    return snap
+
+
+def skip_kind(signals: StepSignals) -> str:
+    """An agreed OVERFLOW verdict: an ordinary fp16 overflow (the scale's doing: its loss is finite), a skipped step
+    (fp16 whose forward itself is non-finite, or fp32 dropped by the guard), or a non-finite fp32 loss whose finite
+    gradients were applied."""
+    if signals.scale_mode != "none" and (signals.loss is None or math.isfinite(signals.loss)):
+        return "overflow"
+    return "skip" if signals.scale_mode != "none" or signals.step_applied is False else "nonfinite_loss"
 
 
 class NanGuard:
@@ -51,6 +86,8 @@ class NanGuard:
         self.batches = BatchWatch(io)
         self.chain = IncidentChain(config, io, self.points, self.policy, self.batches, self.incidents.path)
         self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
+        #: Each step's verdict agreed across ranks: under a process group one iteration later, off the critical path.
+        self.agreement = StepAgreement()
         self._bad_attributes: List[str] = []
         #: Every record written since the driver last took them (:meth:`take_records`), on every rank.
         self.records: List[Dict[str, Any]] = []
@@ -135,21 +172,16 @@ class NanGuard:
                 "skipped_steps": self.skipped_steps, **self.policy.summary(self.io)}
 
     def config_fix(self) -> ConfigFix:
-        """What a config must change to start where the live run stands: each remedy that acted says its part (its
-        :meth:`~.remedies.base.Remedy.config_entry`: settings the config keeps, and what only the hook entry can
-        carry), nothing else."""
-        fields: Dict[str, Any] = {}
-        carry: Dict[str, Dict[str, Any]] = {}
-        for name, entry in self.policy.remedies.config_entries(self.io).items():
-            fields.update(entry.fix)
-            if entry.carry:
-                carry[name] = dict(entry.carry)
-        return ConfigFix(**fields, carry=carry)
+        """What a config must change to start where the live run stands (:meth:`~.recovery.policy.CausePolicy.
+        config_fix`)."""
+        return self.policy.config_fix(self.io)
 
     # ------------------------------------------------------------------ the per-iteration path
     def after_iter(self) -> Decision:
-        """Runs once per training iteration, after the optimizer step; returns the agreed decision."""
-        iteration, _ = self.io.completed(inside=True)
+        """Runs once per training iteration, after the optimizer step; returns the agreed decision it acted on. Under
+        a process group that is mostly the previous step's, this one's being agreed meanwhile (docs/distributed.md,
+        "Agreeing off the critical path"); this rank's own decision where none came."""
+        iteration, epoch = self.io.completed(inside=True)
         reading = self.io.read_step()
         signals = StepSignals(iteration, reading.stepped, reading.grad_norm, reading.loss, None, self.io.scale_mode())
         if reading.skipped_by_guard:
@@ -159,22 +191,59 @@ class NanGuard:
         snapshot_due = reading.stepped and (len(self.points.ring) == 0
                                             or iteration % self.config.snapshot_interval == 0)
         self._check(signals, snapshot_due)
-        decision = self.detector.observe(signals)
-        agreed = Verdict(distributed.reduce_max([int(decision.verdict)])[0])
+        step = _Step(signals, self.detector.observe(signals), reading, snapshot_due, epoch)
+        decision, rolled_back = self._act_on_pending(True) if self.agreement.pending else (step.decision, False)
+        if rolled_back:
+            pass  # this iteration belongs to the abandoned path: its verdict is never sent
+        elif self.agreement.defers() and len(self.points.ring) > 0 and not self.io.verdict_due_now():
+            if snapshot_due:
+                step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
+                                                              self.policy.tags()))
+            self.agreement.submit(step.decision.verdict, step)
+            self.batches.hold()
+        else:
+            decision = self._act(self.agreement.now(step.decision.verdict), step, inside=True)
+        self._publish(signals.loss_scale)
+        return decision
+
+    def _act(self, agreed: Verdict, step: _Step, inside: bool) -> Decision:
+        """Acts on a step's agreed verdict (this iteration's, or the previous one's under a process group)."""
+        signals, decision, reading = step.signals, step.decision, step.reading
         if agreed != decision.verdict:
             decision = Decision(agreed, f"another rank reported {agreed.name} ({decision.reason or 'here: healthy'})")
         if agreed == Verdict.HEALTHY:
             if reading.stepped:
-                self._on_healthy(reading.grad_norm, iteration, snapshot_due)
+                self._on_healthy(reading.grad_norm, signals.iteration, step.snapshot_due, step.snapshot)
         elif agreed == Verdict.OVERFLOW:
-            self._run(self._incident(Entry.SKIP, signals, decision, True, kind=self._skip_kind(signals)))
+            self._run(self._incident(Entry.SKIP, signals, decision, inside, step.epoch, skip_kind(signals)))
         elif agreed == Verdict.STALLED:
-            self._run(self._incident(Entry.STALL, signals, decision, True))
+            self._run(self._incident(Entry.STALL, signals, decision, inside, step.epoch))
         else:
-            self._recover(signals, decision, inside=True)
-        self.batches.end(iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped, stepped=reading.stepped)
-        self._publish(signals.loss_scale)
+            self._run(self._incident(Entry.DIVERGENCE, signals, decision, inside, step.epoch))
+        self.batches.end(signals.iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped,
+                         stepped=reading.stepped)
         return decision
+
+    def _act_on_pending(self, inside: bool) -> Tuple[Decision, bool]:
+        """Acts on the step whose verdict was being agreed, its batch back in hand meanwhile; returns the decision and
+        whether it rolled back (the running iteration's batch is then abandoned with its path)."""
+        counter = self.io.counter()
+        running = self.batches.take_held()
+        decision = self._act(*self.agreement.take(), inside=inside)
+        if self.io.counter() != counter:
+            return decision, True
+        self.batches.put_back(running)
+        return decision, False
+
+    def settle(self, inside: bool) -> bool:
+        """Acts on a step's verdict still being agreed (under a process group) before the guard works outside
+        :meth:`after_iter` (an epoch's end, the end of training); every rank calls it at the same point. Returns
+        whether that rolled the state back."""
+        if not self.agreement.pending:
+            return False
+        rolled_back = self._act_on_pending(inside)[1]
+        self._publish()
+        return rolled_back
 
     def _check(self, signals: StepSignals, snapshot_due: bool) -> None:
         """The health checks this step gets: at once when suspicious, on snapshot and save steps, then routinely."""
@@ -189,11 +258,14 @@ class NanGuard:
             # A check already waited for the device here: publish the scale too, for the logs and the report.
             signals.loss_scale = self.io.loss_scale()
 
-    def _on_healthy(self, grad_norm: Optional[float], iteration: int, snapshot_due: bool) -> None:
+    def _on_healthy(self, grad_norm: Optional[float], iteration: int, snapshot_due: bool,
+                    taken: Optional[Snapshot] = None) -> None:
         self._watch_grad_norm(grad_norm, iteration)
         self.points.ring.tick()
         self.chain.close_if_held()
-        if snapshot_due:
+        if taken is not None:  # taken at its own iteration, its verdict agreed healthy since
+            self.points.ring.add(taken)
+        elif snapshot_due:
             _, epoch = self.io.completed(inside=True)
             self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.recoveries,
                                                   tags=self.policy.tags()))
@@ -206,15 +278,6 @@ class NanGuard:
         if warning:
             self.io.log(f"NanGuard: early warning: {warning}", "warning")
         self.policy.on_healthy(self.io, self.spikes)
-
-    @staticmethod
-    def _skip_kind(signals: StepSignals) -> str:
-        """An agreed OVERFLOW verdict: an ordinary fp16 overflow (the scale's doing: its loss is finite), a skipped step
-        (fp16 whose forward itself is non-finite, or fp32 dropped by the guard), or a non-finite fp32 loss whose
-        finite gradients were applied."""
-        if signals.scale_mode != "none" and (signals.loss is None or math.isfinite(signals.loss)):
-            return "overflow"
-        return "skip" if signals.scale_mode != "none" or signals.step_applied is False else "nonfinite_loss"
 
     def _healthy(self, optimizer: bool) -> bool:
         model = self.io.model()
@@ -233,11 +296,14 @@ class NanGuard:
 
     # ------------------------------------------------------------------ recovery
     def _incident(self, entry: Entry, signals: StepSignals, decision: Decision, inside: bool,
-                  kind: str = "") -> Incident:
-        iteration, epoch = self.io.completed(inside)
-        return Incident(signals, decision, inside, iteration, epoch, self.batches.batch, self.batches.rng,
+                  epoch: Optional[int] = None, kind: str = "") -> Incident:
+        # The step's own iteration and epoch; acted on now, at `acted_at` (one iteration later under a group).
+        acted_at, now_epoch = self.io.completed(inside)
+        data_epoch = self.batches.epoch_of(signals.iteration) if entry == Entry.SKIP else None
+        epoch = now_epoch if epoch is None else epoch
+        return Incident(signals, decision, inside, signals.iteration, epoch, self.batches.batch, self.batches.rng,
                         list(self._bad_attributes), entry=entry, kind=kind,
-                        data_epoch=self.batches.epoch_of(signals.iteration) if entry == Entry.SKIP else epoch)
+                        data_epoch=epoch if data_epoch is None else data_epoch, acted_at=acted_at)
 
     def _run(self, incident: Incident) -> Incident:
         """Runs an incident through the chain and writes its records (the error, if any, after them)."""
@@ -256,17 +322,19 @@ class NanGuard:
         self.policy.event(When.HANDLED, self.io)
         return incident
 
-    def _recover(self, signals: StepSignals, decision: Decision, inside: bool) -> None:
-        self._run(self._incident(Entry.DIVERGENCE, signals, decision, inside))
-
     def recover_now(self, reason: str, inside: bool) -> None:
-        """Runs the recovery path at once (a non-finite state found outside a step's own signals)."""
+        """Runs the recovery path at once (a non-finite state found outside a step's own signals), after
+        :meth:`settle`."""
+        if self.settle(inside):  # that restored a healthy state: the state found non-finite is gone
+            return
         iteration, _ = self.io.completed(inside)
-        self._recover(StepSignals(iteration, weights_finite=False), Decision(Verdict.DIVERGED, reason), inside)
+        self._run(self._incident(Entry.DIVERGENCE, StepSignals(iteration, weights_finite=False),
+                                 Decision(Verdict.DIVERGED, reason), inside))
         self._publish()
 
     def all_ranks_healthy(self, healthy_here: bool) -> bool:
-        """Agrees across ranks on a health reading taken outside :meth:`after_iter`."""
+        """Agrees across ranks on a health reading taken outside :meth:`after_iter`: a blocking all-reduce, once per
+        epoch at most (the driver settles a verdict still being agreed first: :meth:`settle`)."""
         return distributed.reduce_max([0 if healthy_here else 1])[0] == 0
 
     # ------------------------------------------------------------------ records and scalars

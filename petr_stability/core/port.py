@@ -304,6 +304,13 @@ class GuardIO(abc.ABC):
         """True when this rank wants a full health check on this iteration (a checkpoint save follows or happened)."""
         return False
 
+    def verdict_due_now(self) -> bool:
+        """True when the runner uses this iteration's state right after the guard's work (a checkpoint save, a
+        validation, the end of an epoch or of training): under a process group the guard then agrees on this step's
+        verdict at once instead of during the next iteration (docs/distributed.md). Must be the same on every rank:
+        nothing rank-local may decide it (a collective follows)."""
+        return False
+
     def after_recovery(self, state: Dict[str, Any], inside: bool) -> None:
         """After a rollback, with the guard's new state: repair what the runner wrote from the abandoned path."""
 

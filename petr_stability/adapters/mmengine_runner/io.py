@@ -11,6 +11,7 @@ from mmengine.hooks import CheckpointHook, EMAHook
 from mmengine.logging import MMLogger
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
+from mmengine.runner import IterBasedTrainLoop
 
 from ...core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
 from ...core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
@@ -241,6 +242,19 @@ class MMEngineIO(GuardIO):
 
     def health_check_due(self) -> bool:
         return self.save_due
+
+    def verdict_due_now(self) -> bool:
+        # issue 35: a save follows (the hook's save_due, every rank alike), or a validation of this state (an
+        # iteration-based loop validates right after the iteration; an epoch-based one after the epoch, where the
+        # driver has acted on the last verdict).
+        return self.save_due or self._validation_follows()
+
+    def _validation_follows(self) -> bool:
+        loop = self.runner.train_loop
+        if not isinstance(loop, IterBasedTrainLoop) or self.runner.val_loop is None:
+            return False
+        done = self.runner.iter + 1
+        return done >= loop.val_begin and (done % loop.val_interval == 0 or done == loop.max_iters)
 
     def checkpoint_due(self, batch_idx: int) -> bool:
         """True when a CheckpointHook will save after this iteration (it runs later, on rank 0 only)."""

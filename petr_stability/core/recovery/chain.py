@@ -36,7 +36,7 @@ from ..remedies.quarantine import bad_data_advice, short_samples
 from ..samples import named_samples, suspect_rows
 from ..watch.detector import Decision, StepSignals, Verdict
 from .policy import CausePolicy
-from .restore import RESTORE_ORDER, RestorePoints, as_tensors
+from .restore import RESTORE_ORDER, RestorePoints
 
 __all__ = ["Entry", "Step", "TRANSITIONS", "Incident", "Agreement", "OWN_VALUES", "ISOLATED", "TRACED", "Evidence",
            "IncidentChain"]
@@ -119,6 +119,10 @@ class Incident:
     stop: Optional[tuple] = None  # (error type, why) once the run must end
     records: List[Dict[str, Any]] = field(default_factory=list)  #: written out by RECORD or GIVE_UP, in order
     error: Optional[Exception] = None  #: the error to raise after writing the records (GIVE_UP)
+    #: Completed iterations when the guard acts on it (``iteration`` + 1 where the ranks agreed on the step's verdict
+    #: during the next iteration, docs/distributed.md; 0: ``iteration``). The run trained that far on the path it
+    #: abandons.
+    acted_at: int = 0
 
     @property
     def record(self) -> Optional[Dict[str, Any]]:
@@ -158,13 +162,6 @@ class Evidence:
                  fresh_state: Callable[[], List[str]]) -> None:
         self.io, self.points, self.batches, self.fresh_state = io, points, batches, fresh_state
 
-    def _healthy(self) -> tuple:
-        snap = self.points.healthy()
-        weights = as_tensors(snap.ready_payload()) if snap is not None else None
-        where = ("the run's start state" if snap is self.points.start else f"snapshot of iter {snap.iteration}"
-                 if snap is not None else "")
-        return snap, weights, where
-
     # ------------------------------------------------------------------ a divergence's replay
     def replay(self, iteration: int, signals: Any, batch: Any, rng: Any, min_loss_scale: float) -> Optional[Dict]:
         """The failing batch re-run on the live and the healthy weights (and the batch known to be good), the window
@@ -183,7 +180,7 @@ class Evidence:
 
     def _replay(self, iteration: int, signals: Any, forward: Callable[[], Any], rng: Any,
                 min_loss_scale: float) -> Dict[str, Any]:
-        snap, weights, where = self._healthy()
+        snap, weights, where = self.points.healthy_weights()
         scale = signals.loss_scale if signals.loss_scale is not None else self.io.loss_scale()
         good = self.batches
         good_forward = self.io.rerun_forward(good.good_batch) if good.good_batch is not None else None
@@ -223,7 +220,7 @@ class Evidence:
         """:func:`~..diagnosis.window.isolate_rows` for the step's batches (the batch in hand, and the earlier batches
         of its accumulation window) from the healthy state, beside the batch known to be good; None where it cannot
         run (no healthy weights, no dataset indices, no loader)."""
-        _, weights, where = self._healthy()
+        _, weights, where = self.points.healthy_weights()
         (indices, _), loader = self._rows(), self.io.train_loader()
         if weights is None or not indices or getattr(loader, "dataset", None) is None:
             return None
@@ -399,16 +396,9 @@ class IncidentChain:
         inc.agreed = Agreement(agreed, ranked("named"), ranked("listed"), state_ok)
         if inc.entry != Entry.DIVERGENCE:
             return Step.ACT
-        inc.cls = self._recurrence(agreed, len(views), inc.iteration)
+        inc.cls = _recurrence(agreed, self.policy.history, len(views), inc.iteration)
+        inc.cls = inc.cls.but(action=self.policy.action_text(inc.cls.cause))
         return self._budget(inc)
-
-    def _recurrence(self, agreed: Classification, ranks: int, iteration: int) -> Classification:
-        # Back-to-back data incidents make a run structural only when every rank's batch broke: bad samples on one
-        # rank of many (a corrupt scene) are data however often they come; a bug breaks every rank's batches.
-        everywhere = len(agreed.ranks) >= ranks and all(r == Cause.DATA.value for r in agreed.ranks.values())
-        c = recurring(agreed, self.policy.history, iteration) if everywhere or not agreed.ranks else agreed
-        c = c if "iteration" in c.signals else c.with_signals(iteration=iteration)
-        return c.but(action=self.policy.action_text(c.cause))
 
     def _budget(self, inc: Incident) -> Step:
         if self.recoveries < self.config.max_recoveries:
@@ -497,7 +487,7 @@ class IncidentChain:
         self.io.rewind(payload.iteration, inc.inside)
         self.batches.rewind(payload.iteration)
         self.points.drop_after(payload.iteration)
-        inc.restored, inc.lost = payload, max(0, inc.iteration - payload.iteration)
+        inc.restored, inc.lost = payload, max(0, max(inc.iteration, inc.acted_at) - payload.iteration)
         self.actions_tried.append(f"iter {inc.iteration}: rollback to {payload.source} (iter {payload.iteration})")
         inc.cls, later, inc.temporal = self.policy.after_restore(inc.cls, self.io, payload, self.recoveries + 1)
         self.note(inc.iteration, later)
@@ -576,6 +566,8 @@ class IncidentChain:
         common = {"epoch": inc.epoch, "cause": None if cls is None else cls.as_dict(), "samples": samples,
                   "restored_from": None, "iterations_lost": 0, "diagnosis": inc.diagnosis}
         extra = {"nonfinite_attributes": list(inc.attributes)} if inc.attributes else {}
+        if inc.acted_at > inc.iteration:  # agreed during the next iteration (under a process group)
+            extra["acted_at"] = inc.acted_at
         return step_record(event, inc.signals, decision or inc.decision, list(changes), self.recoveries,
                            self.config.max_recoveries, distributed.get_world_size(), **extra,
                            **dict(common, **fields))
@@ -598,6 +590,15 @@ class IncidentChain:
 def _bare(samples: Any) -> List[Dict[str, Any]]:
     """Samples as remedies take them: without the record's ``evidence`` tag."""
     return [{k: v for k, v in s.items() if k != "evidence"} for s in samples]
+
+
+def _recurrence(agreed: Classification, history: Any, ranks: int, iteration: int) -> Classification:
+    """The agreed class after the back-to-back data rule, which makes a run structural only when every rank's batch
+    broke: bad samples on one rank of many (a corrupt scene) are data however often they come; a bug breaks every
+    rank's batches."""
+    everywhere = len(agreed.ranks) >= ranks and all(r == Cause.DATA.value for r in agreed.ranks.values())
+    c = recurring(agreed, history, iteration) if everywhere or not agreed.ranks else agreed
+    return c if "iteration" in c.signals else c.with_signals(iteration=iteration)
 
 
 def _skip_line(inc: Incident, listed: Optional[List[Dict[str, Any]]]) -> str:

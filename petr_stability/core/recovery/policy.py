@@ -12,6 +12,7 @@ import copy
 from dataclasses import replace
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from ...configfix.patch import ConfigFix
 from ..causes import Cause, Classification, row
 from ..config import GuardConfig
 from ..diagnosis.classify import CauseHistory
@@ -233,6 +234,18 @@ class CausePolicy:
     def tags(self) -> Dict[str, Any]:
         """What a restore point records of the remedies (their declared tags)."""
         return self.remedies.tags()
+
+    def config_fix(self, io: GuardIO) -> ConfigFix:
+        """What a config must change to start where the live run stands: each remedy that acted says its part (its
+        :meth:`~..remedies.base.Remedy.config_entry`: settings the config keeps, and what only the hook entry can
+        carry), nothing else."""
+        fields: Dict[str, Any] = {}
+        carry: Dict[str, Dict[str, Any]] = {}
+        for name, entry in self.remedies.config_entries(io).items():
+            fields.update(entry.fix)
+            if entry.carry:
+                carry[name] = dict(entry.carry)
+        return ConfigFix(**fields, carry=carry)
 
     # ------------------------------------------------------------------ outside an incident
     def start(self, io: GuardIO) -> List[Change]:

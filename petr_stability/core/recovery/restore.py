@@ -106,6 +106,15 @@ class RestorePoints:
         """The newest state known healthy: the newest confirmed snapshot, else the start state."""
         return self.ring.newest_confirmed() or self.start
 
+    def healthy_weights(self) -> Tuple[Optional[Snapshot], Optional[Dict[str, torch.Tensor]], str]:
+        """(the newest state known healthy, its model weights where it holds real tensors, how records name it):
+        what a replay on healthy weights starts from."""
+        snap = self.healthy()
+        weights = as_tensors(snap.ready_payload()) if snap is not None else None
+        where = ("the run's start state" if snap is self.start else f"snapshot of iter {snap.iteration}"
+                 if snap is not None else "")
+        return snap, weights, where
+
     def drop_after(self, iteration: int) -> None:
         """Forgets snapshots newer than ``iteration``: they belong to the abandoned path."""
         self.ring.snapshots = [s for s in self.ring.snapshots if s.iteration <= iteration]

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["NPROC", "TIMEOUT_S", "SHARED", "free_port", "run_workers", "incident_logs", "check_agreement",
-           "run_agreeing"]
+__all__ = ["NPROC", "TIMEOUT_S", "SHARED", "free_port", "launch", "run_workers", "run_failing", "incident_logs",
+           "check_agreement", "run_agreeing"]
 
 NPROC = 2
 #: Guard state that records decisions and their consequences: it must be the same on every rank.
@@ -26,15 +26,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(
-    worker: str, scenario: str, out_dir: str, timeout: float = TIMEOUT_S, nproc: int = NPROC,
-    extra_args: Sequence[str] = (),
-) -> Tuple[List[Dict[str, Any]], str]:
+def launch(worker: str, scenario: str, out_dir: str, timeout: float = TIMEOUT_S, nproc: int = NPROC,
+           extra_args: Sequence[str] = ()) -> Tuple[int, str]:
     """Runs ``worker scenario out_dir [extra_args]`` under ``torch.distributed.run`` on ``nproc`` local processes.
 
     Returns:
-        (one result dict per rank, ordered by rank; the job's combined output). Fails the calling test if the
-        job exceeds ``timeout`` (the whole process group is killed) or a rank wrote no result.
+        (the job's exit code, its combined output). Fails the calling test if the job exceeds ``timeout`` (the
+        whole process group is killed first): a hang.
     """
     import pytest
 
@@ -49,16 +47,47 @@ def run_workers(
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{scenario}: no result within {timeout}s (a hang?)\n{out.decode(errors='replace')[-4000:]}")
-    log = out.decode(errors="replace")
+    return proc.returncode, out.decode(errors="replace")
+
+
+def run_workers(
+    worker: str, scenario: str, out_dir: str, timeout: float = TIMEOUT_S, nproc: int = NPROC,
+    extra_args: Sequence[str] = (),
+) -> Tuple[List[Dict[str, Any]], str]:
+    """Runs a scenario every rank of which finishes (:func:`launch`).
+
+    Returns:
+        (one result dict per rank, ordered by rank; the job's combined output). Fails the calling test if the
+        job exceeds ``timeout``, fails, or a rank wrote no result.
+    """
+    import pytest
+
+    returncode, log = launch(worker, scenario, out_dir, timeout, nproc, extra_args)
     results = []
     for rank in range(nproc):
         path = os.path.join(out_dir, f"result_rank{rank}.json")
         if not os.path.exists(path):
-            pytest.fail(f"{scenario}: rank {rank} wrote no result (exit code {proc.returncode})\n{log[-4000:]}")
+            pytest.fail(f"{scenario}: rank {rank} wrote no result (exit code {returncode})\n{log[-4000:]}")
         with open(path, encoding="utf-8") as f:
             results.append(json.load(f))
-    assert proc.returncode == 0, log[-4000:]
+    assert returncode == 0, log[-4000:]
     return results, log
+
+
+def run_failing(worker: str, scenario: str, out_dir: str,
+                timeout: float = TIMEOUT_S) -> Tuple[int, str, Dict[int, Dict[str, Any]]]:
+    """Runs a scenario in which a rank fails (:func:`launch`; a hang fails the calling test).
+
+    Returns:
+        (the job's exit code, its combined output, the results the ranks that got that far wrote, by rank).
+    """
+    returncode, log = launch(worker, scenario, out_dir, timeout)
+    results = {}
+    for path in glob.glob(os.path.join(out_dir, "result_rank*.json")):
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+        results[result["rank"]] = result
+    return returncode, log, results
 
 
 def incident_logs(out_dir: str) -> List[str]:

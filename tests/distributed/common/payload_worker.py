@@ -3,6 +3,7 @@ import collections
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,12 @@ def main() -> None:
     rank = dist.get_rank()
     res = {"rank": rank}
     res["reduce_max"] = distributed.reduce_max([rank, 5 - rank])
+    # issue 35: an asynchronous MAX issued late on one rank, another collective in between, read after it.
+    if rank == 1:
+        time.sleep(0.2)
+    pending = distributed.reduce_max_async([3 * rank, 7 - rank])
+    res["between"] = distributed.gather(rank)
+    res["async_max"] = pending.wait()
     # Rank 0 reads, the others receive everything (a disk restore).
     got = distributed.broadcast_payload(state(0) if rank == 0 else None)
     res["full"] = same(got, state(0))

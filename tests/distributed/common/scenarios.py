@@ -4,7 +4,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
-from launch import check_agreement, run_agreeing, run_workers
+from launch import check_agreement, run_agreeing, run_failing, run_workers
 
 from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 
@@ -157,3 +157,28 @@ class AgreementScenarios:
         assert rec["cause"]["signals"]["quarantined"] == [{"index": BAD_BOX, "rank": 1}]
         assert sorted(int(i) for i in r0["guard"]["policy"]["skip"]["indices"]) == [BAD_BOX]
 
+
+    def test_a_slow_rank_s_fault_is_recovered_on_both_ranks_one_iteration_later(self, tmp_path: Any) -> None:
+        # issue 35: rank 1 sleeps 50 ms after every optimizer step, before the guard, and its weights turn NaN in
+        # iteration 12. Every healthy step's verdict is agreed during the next iteration (rank 0 never waits for rank 1
+        # inside the guard), snapshot steps at once; both act on iteration 12's verdict in iteration 13.
+        r0, r1, records = self.run("slow_rank1", tmp_path)
+        (rec,) = incidents(records)
+        assert r0["error"] is None and r0["iter"] == 18
+        assert rec["reason"].startswith("another rank reported DIVERGED")
+        assert rec["acted_at"] == rec["iteration"] + 1
+        assert rec["iterations_lost"] == rec["acted_at"] - rec["restored_from"]["iteration"]
+        # The same steps agreed one iteration later on both ranks (the others: the loss scale's calibration while no
+        # snapshot exists yet, snapshot steps, checkpoint saves and the run's end).
+        assert r0["agreement"] == r1["agreement"] and r0["agreement"]["deferred"] >= 5
+
+    def test_a_rank_that_raises_ends_the_job_without_a_hang(self, tmp_path: Any) -> None:
+        # issue 35: rank 1 raises in iteration 12 before its guard sends the step's verdict, while rank 0's is in
+        # flight; the job ends (within the harness's timeout: a hang fails the test) with rank 1's error, and no rank
+        # finishes training. Rank 0 stops on gloo's closed connection (its result says so where torchrun did not stop
+        # it first).
+        returncode, log, results = run_failing(self.worker, "fail_rank1", str(tmp_path))
+        assert returncode != 0
+        assert "PlantedFailure: planted failure on rank 1 in iteration 12" in log
+        assert 1 not in results
+        assert all(r["error"] is not None for r in results.values())

@@ -14,7 +14,8 @@ from scenarios import OLDER_CHECKPOINT, weights_digest
 from petr_stability.core.faults import poison_weights
 
 __all__ = ["GUARD", "CORRUPT_LABEL", "shared_scenarios", "parse_args", "init_process_group", "work_dir", "train",
-           "finish", "Extras", "corrupt_labels", "fail_on_corrupt_labels", "PoisonPasses", "write_older_checkpoint"]
+           "finish", "Extras", "corrupt_labels", "fail_on_corrupt_labels", "PoisonPasses", "PlantedFailure", "RankPlan",
+           "write_older_checkpoint"]
 
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
 #: A class label the label map does not know: the data trigger of the corrupt-annotation scenarios.
@@ -66,6 +67,14 @@ def shared_scenarios(disk_checkpoint: Dict[str, Any]) -> Dict[str, Dict[str, Any
         # One sample with NaN pixels read by rank 1 only: its BatchNorm statistics turn NaN, a divergence at once.
         # 2048 samples: the default bound of a realistic dataset (0.1%: 2 samples).
         "bad_pixels_rank1_large": dict(amp=None, max_iters=24, n_samples=2048, guard=GUARD, bad_pixels=BAD_BOX),
+        # issue 35: rank 1 sleeps after every optimizer step, before the guard (where a blocking agreement would make
+        # rank 0 wait for it), and NaN weights are planted on it alone: rank 0 learns of it from the slow rank.
+        "slow_rank1": dict(max_iters=18, guard=GUARD, faults=[dict(kind="weights", iters=[12], ranks=[1])],
+                           plan=dict(slow=dict(rank=1, seconds=0.05))),
+        # issue 35: rank 1 raises in iteration 12, after its optimizer step, before its guard sends the step's verdict
+        # (rank 0's is in flight, waiting for it, while rank 0 trains on); nothing catches it (as in a training
+        # script): the job must end, not hang.
+        "fail_rank1": dict(max_iters=18, guard=GUARD, plan=dict(fail=dict(rank=1, at=12))),
     }
 
 
@@ -82,6 +91,8 @@ class Extras:
         self.older_run: bool = kwargs.pop("older_run", False)
         self.bad_box: Optional[int] = kwargs.pop("bad_box", None)
         self.bad_pixels: Optional[int] = kwargs.pop("bad_pixels", None)
+        plan = kwargs.pop("plan", None)
+        self.plan: Optional[RankPlan] = RankPlan(**plan) if plan else None
         self.batch_size: int = kwargs.get("batch_size", 2)
 
     def apply(self, samples: List[Dict[str, Any]], net: torch.nn.Module) -> None:
@@ -143,6 +154,34 @@ class PoisonPasses:
         if counter + 1 == self.at and self.left > 0 and (self.ranks is None or rank in self.ranks):
             self.left -= 1
             poison_weights(model)
+
+
+class PlantedFailure(BaseException):
+    """A rank's training raises something nothing catches (a bug in user code, an out-of-memory): a
+    ``BaseException``, so that :func:`train`'s ``except Exception`` lets it end the process as a training script
+    would."""
+
+
+class RankPlan:
+    """What a rank does after each optimizer step, before the guard sees it (each family's worker calls
+    :meth:`after_step` from a hook that runs between the two): sleep (a slow rank), or raise (a failing rank).
+
+    Args:
+        slow: ``dict(rank, seconds)``: that rank sleeps this long in every iteration. Defaults to None.
+        fail: ``dict(rank, at)``: that rank raises :class:`PlantedFailure` in iteration ``at`` (1-based). Defaults to
+            None.
+    """
+
+    def __init__(self, slow: Optional[Dict[str, Any]] = None, fail: Optional[Dict[str, Any]] = None) -> None:
+        self.slow, self.fail = slow, fail
+
+    def after_step(self, counter: int) -> None:
+        """``counter``: the runner's 0-based counter of the iteration that just stepped."""
+        rank = dist.get_rank()
+        if self.slow is not None and rank == self.slow["rank"]:
+            time.sleep(self.slow["seconds"])
+        if self.fail is not None and rank == self.fail["rank"] and counter + 1 == self.fail["at"]:
+            raise PlantedFailure(f"planted failure on rank {rank} in iteration {counter + 1}")
 
 
 def write_older_checkpoint(directory: str, model: torch.nn.Module, guard_state_in_meta: bool) -> str:
@@ -221,6 +260,10 @@ def side_group_report() -> Dict[str, Any]:
 def finish(out: str, result: Dict[str, Any], runner: Any, model: torch.nn.Module, guard: Any, scaler: Optional[Any],
            max_norm: Optional[float], **extra: Any) -> None:
     """Writes this rank's result for the test, then leaves."""
+    path = os.path.join(out, f"result_rank{result['rank']}.json")
+    if result["error"] is not None:  # what is known before any collective: a peer may be gone (fail_rank1)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, default=str)
     result.update(
         iter=runner.iter,
         digest=weights_digest(model),
@@ -232,9 +275,10 @@ def finish(out: str, result: Dict[str, Any], runner: Any, model: torch.nn.Module
         snapshots=len(guard.points.ring),
         device=str(next(model.parameters()).device),
         side_group=side_group_report(),
+        agreement={"deferred": guard.agreement.deferred, "blocking": guard.agreement.blocking},
         **extra,
     )
-    with open(os.path.join(out, f"result_rank{result['rank']}.json"), "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, default=str)
     dist.barrier()
     # Leave without tearing the gloo groups down: their destructors now and then abort a process whose peer

@@ -40,6 +40,13 @@ def main() -> None:
         def before_train_iter(self, runner):
             self.passes.before_iter(runner.iter, runner.model.module)
 
+    class PlanHook(Hook):  # after OptimizerHook (ABOVE_NORMAL, registered first), before the guard (NORMAL)
+        def __init__(self, plan) -> None:
+            self.plan = plan
+
+        def after_train_iter(self, runner):
+            self.plan.after_step(runner.iter)
+
     iter_based_runner.time = types.SimpleNamespace(sleep=lambda s: None)  # the runner's 2 s start-up nap
     kwargs = dict(SCENARIOS[args.scenario])
     directory = work_dir(args.out, rank, kwargs)
@@ -53,6 +60,8 @@ def main() -> None:
     extras.apply(r.loader.dataset.samples, module.net)
     if extras.passes:
         r.register_hook(PassesHook(PoisonPasses(**extras.passes)), priority="NORMAL")
+    if extras.plan:
+        r.register_hook(PlanHook(extras.plan), priority="ABOVE_NORMAL")
     if extras.older_run:
         write_older_checkpoint(directory, module, guard_state_in_meta=True)
     r.model = MMDistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if args.cuda else None,

@@ -1,4 +1,5 @@
-"""core/distributed.py over a real 2-process gloo group: payload broadcast, per-node groups, mismatch handling."""
+"""core/distributed.py over a real 2-process gloo group: payload broadcast, per-node groups, mismatch handling, the
+asynchronous MAX."""
 import os
 
 import torch
@@ -23,6 +24,7 @@ def test_strip_and_fill_round_trip_keeps_types_and_shares_nothing():
 def test_payload_broadcast_over_two_ranks(tmp_path):
     (r0, r1), _ = run_workers(WORKER, "all", str(tmp_path), timeout=90)
     assert r0["reduce_max"] == r1["reduce_max"] == [1, 5]
+    assert r0["async_max"] == r1["async_max"] == [3, 7] and r0["between"] == r1["between"] == [0, 1]
     assert r1["full"] and r1["known"] and r0["full"] and r0["known"]
     assert r0["node"] == r1["node"] == [0, [0, 1]]
     assert r0["mismatch"] and r1["mismatch"] and "replicated state" in r1["mismatch"]

@@ -43,6 +43,13 @@ def main() -> None:
         def before_train_iter(self, runner, batch_idx, data_batch=None):
             self.passes.before_iter(runner.iter, getattr(runner.model, "module", runner.model))
 
+    class PlanHook(Hook):  # after the optimizer step (in train_step), before the guard (NORMAL)
+        def __init__(self, plan) -> None:
+            self.plan = plan
+
+        def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+            self.plan.after_step(runner.iter)
+
     kwargs = dict(SCENARIOS[args.scenario])
     directory = work_dir(args.out, rank, kwargs)
     extras = Extras(kwargs)
@@ -56,6 +63,8 @@ def main() -> None:
     extras.apply(runner._train_dataloader["dataset"].samples, module.net)  # the loader is built by train()
     if extras.passes:
         runner.register_hook(PassesHook(PoisonPasses(**extras.passes)), priority="NORMAL")
+    if extras.plan:
+        runner.register_hook(PlanHook(extras.plan), priority="ABOVE_NORMAL")
     if extras.older_run:
         write_older_checkpoint(directory, module, guard_state_in_meta=False)
     result = train(runner.train)
