@@ -37,9 +37,14 @@ class ConfigFix:
         fp32_modules: module name -> its class name, modules the guard runs in fp32.
         lr_factor: product of the guard's learning-rate backoffs (1.0: none).
         dynamic_loss_scale: the guard turned a static loss scale dynamic.
-        quarantine: dataset indices the guard quarantined.
+        quarantine: the samples the guard quarantined (or refused): each by what it is (an identity dict: the leaf
+            ``dataset``, ``inner_index``, ``part``, ids ``token`` / ``sample_idx`` / ``scene_token``), or, where
+            nothing more is known of it, by dataset index (an int).
         carry: remedy name -> what it put in force that no config key holds, carried in the ``NanGuardHook`` entry
             (``carry={...}``) and re-applied by that remedy before the next run's first iteration.
+        fallback: a field of this fix -> {remedy name: what to carry} where the config has no key for that field
+            (``lr_factor`` without an optimizer ``lr``, ``dynamic_loss_scale`` without a static loss scale): carried
+            then, instead of lost.
     """
 
     max_norm: Optional[float] = None
@@ -47,8 +52,9 @@ class ConfigFix:
     fp32_modules: Dict[str, str] = field(default_factory=dict)
     lr_factor: float = 1.0
     dynamic_loss_scale: bool = False
-    quarantine: List[int] = field(default_factory=list)
+    quarantine: List[Any] = field(default_factory=list)
     carry: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    fallback: Dict[str, Dict[str, Dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_norm is not None and (isinstance(self.max_norm, bool) or
@@ -62,9 +68,11 @@ class ConfigFix:
                 isinstance(k, str) and k and isinstance(v, str) for k, v in self.fp32_modules.items()):
             raise ValueError(f"fp32_modules must map module names to class names, got {self.fp32_modules!r}")
         if not isinstance(self.quarantine, (list, tuple, set, frozenset)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.quarantine):
-            raise ValueError(f"quarantine must be a list of dataset indices (ints >= 0), got {self.quarantine!r}")
-        self.quarantine = sorted(set(self.quarantine))
+                (isinstance(i, int) and not isinstance(i, bool) and i >= 0) or isinstance(i, dict)
+                for i in self.quarantine):
+            raise ValueError(f"quarantine must be a list of dataset indices (ints >= 0) or sample identities (dicts), "
+                             f"got {self.quarantine!r}")
+        self.quarantine = _merged([], list(self.quarantine))
         if not isinstance(self.carry, dict) or not all(isinstance(k, str) and k and isinstance(v, dict)
                                                        for k, v in self.carry.items()):
             raise ValueError(f"carry must map remedy names to dicts, got {self.carry!r}")
@@ -215,13 +223,14 @@ def dropout_walk(node: Any, path: str, changes: List[ConfigChange], found: List[
         dropout_walk(value, sub, changes, found, head, tr)
 
 
-def _apply_dropout(cfg: Dict[str, Any], changes: List[ConfigChange], notes: List[str]) -> None:
+def _apply_dropout(cfg: Dict[str, Any], changes: List[ConfigChange], notes: List[str]) -> bool:
     if not isinstance(cfg.get("model"), dict):
         raise ValueError("the config has no model dict; is this an MMEngine or MMCV 1.x training config?")
     found: List[str] = []
     dropout_walk(cfg["model"], "model", changes, found)
     if not found:
         notes.append("no transformer found in the detection head (model.*head); no dropout changed")
+    return bool(found)
 
 
 # ---------------------------------------------------------------------------------------------- clip
@@ -275,7 +284,7 @@ def _guard_hooks(cfg: Dict[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
 
 def _set_hook_list(cfg: Dict[str, Any], key: str, values: List[Any], changes: List[ConfigChange],
                    notes: List[str]) -> None:
-    """``NanGuardHook(<key>=[...])`` in ``custom_hooks``: the values joined to the entry's own, sorted."""
+    """``NanGuardHook(<key>=[...])`` in ``custom_hooks``: the values joined to the entry's own (:func:`_merged`)."""
     hooks = _guard_hooks(cfg)
     if not hooks:
         notes.append(f"custom_hooks has no {GUARD_HOOK} entry (the hook was added in code?): {key}={values!r} not "
@@ -283,10 +292,21 @@ def _set_hook_list(cfg: Dict[str, Any], key: str, values: List[Any], changes: Li
         return
     for path, hook in hooks:
         old = hook.get(key)
-        new = sorted(set(old or []) | set(values))
+        new = _merged(list(old or []), values)
         if old is None or list(old) != new:
             hook[key] = new
             changes.append(ConfigChange(f"{path}.{key}", copy.deepcopy(old), list(new)))
+
+
+def _merged(old: List[Any], new: List[Any]) -> List[Any]:
+    """``old`` and ``new`` as one list without repeats: the ints (dataset indices, names) sorted first, then the dicts
+    (sample identities) in the order they came."""
+    plain = sorted({v for v in old + new if not isinstance(v, dict)})
+    dicts: List[Any] = []
+    for v in old + new:
+        if isinstance(v, dict) and v not in dicts:
+            dicts.append(v)
+    return plain + dicts
 
 
 def _set_hook_carry(cfg: Dict[str, Any], carry: Mapping[str, Dict[str, Any]], changes: List[ConfigChange],
@@ -369,7 +389,7 @@ def _lr_schedulers(node: Any, path: str) -> Iterator[Tuple[str, Dict[str, Any]]]
 
 
 def _apply_lr(cfg: Dict[str, Any], family: Optional[str], factor: float, changes: List[ConfigChange],
-              notes: List[str]) -> None:
+              notes: List[str]) -> bool:
     before = len(changes)
     if family == "mmengine":
         for path, wrapper in optim_wrappers(cfg):
@@ -387,14 +407,16 @@ def _apply_lr(cfg: Dict[str, Any], family: Optional[str], factor: float, changes
     if len(changes) == before:
         notes.append(f"no learning rate found in the config (optim_wrapper.optimizer.lr / optimizer.lr): lr x "
                      f"{factor:g} not written")
+    return len(changes) > before
 
 
 # ---------------------------------------------------------------------------------------------- loss scale
 def _apply_loss_scale(cfg: Dict[str, Any], family: Optional[str], changes: List[ConfigChange],
-                      notes: List[str]) -> None:
+                      notes: List[str]) -> bool:
     static = [(key, scale, default) for key, scale, default in fp16_loss_scales(cfg, family) if is_number(scale)]
     if not static:
         notes.append("no static fp16 loss scale in the config (dynamic already, or not fp16): loss scale unchanged")
+        return False
     for key, scale, default in static:
         parent, _, leaf = key.rpartition(".")
         node = cfg
@@ -402,6 +424,7 @@ def _apply_loss_scale(cfg: Dict[str, Any], family: Optional[str], changes: List[
             node = node[part]
         node[leaf] = "dynamic"
         changes.append(ConfigChange(key, None if default else scale, "dynamic"))
+    return True
 
 
 def apply_fix(cfg: Dict[str, Any], fix: ConfigFix) -> Tuple[List[ConfigChange], List[str], str]:
@@ -428,18 +451,24 @@ def apply_fix(cfg: Dict[str, Any], fix: ConfigFix) -> Tuple[List[ConfigChange], 
     family = config_family(cfg)
     changes: List[ConfigChange] = []
     notes: List[str] = []
+    written: Dict[str, bool] = {}
     if fix.zero_dropout:
-        _apply_dropout(cfg, changes, notes)
+        written["zero_dropout"] = _apply_dropout(cfg, changes, notes)
     if fix.max_norm is not None:
         _apply_clip(cfg, family, fix.max_norm, changes, notes)
     if fix.fp32_modules:
         _apply_fp32(cfg, fix.fp32_modules, changes, notes)
     if fix.lr_factor != 1.0:
-        _apply_lr(cfg, family, fix.lr_factor, changes, notes)
+        written["lr_factor"] = _apply_lr(cfg, family, fix.lr_factor, changes, notes)
     if fix.dynamic_loss_scale:
-        _apply_loss_scale(cfg, family, changes, notes)
+        written["dynamic_loss_scale"] = _apply_loss_scale(cfg, family, changes, notes)
     if fix.quarantine:
         _set_hook_list(cfg, "quarantine", list(fix.quarantine), changes, notes)
-    if fix.carry:
-        _set_hook_carry(cfg, fix.carry, changes, notes)
+    carry = dict(fix.carry)
+    for name, done in written.items():  # a setting the config has no key for is carried instead of lost
+        for remedy, value in (fix.fallback.get(name) or {}).items() if not done else ():
+            carry[remedy] = dict(carry.get(remedy) or {}, **value)
+            notes.append(f"{name}: no key in the config; the NanGuardHook entry carries it ({remedy})")
+    if carry:
+        _set_hook_carry(cfg, carry, changes, notes)
     return changes, notes, family or ""

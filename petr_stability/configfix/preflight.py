@@ -48,6 +48,7 @@ CHECKS: Dict[str, str] = {
     "check-invalid-loss-hook": "mmdet's CheckInvalidLossHook in custom_hooks",
     "rare-checkpoints": "checkpoints rarer than once per epoch (or none)",
     "single-checkpoint-kept": "max_keep_ckpts=1",
+    "carried": "what an earlier run's guard put in force that this run re-applies before its first iteration",
 }
 #: The GPU count the megvii PETR / StreamPETR configs were written for (their README trains on 8 GPUs); assumed for
 #: an MMCV 1.x PETR-family config that declares neither ``num_gpus`` nor ``total_batch_size``.
@@ -353,9 +354,38 @@ def _check_checkpoints(run: _Run) -> List[Finding]:
     return out
 
 
+def _check_carried(run: _Run) -> List[Finding]:
+    """A patched config's NanGuardHook entry: what it carries (``carry=``, per remedy), the samples it keeps out
+    (``quarantine=``) and the modules it runs in fp32, each re-applied before the first iteration."""
+    hooks = run.cfg.get("custom_hooks")
+    out = []
+    for i, hook in enumerate(hooks if isinstance(hooks, (list, tuple)) else []):
+        if not (isinstance(hook, dict) and type_name(hook).rsplit(".", 1)[-1] == "NanGuardHook"):
+            continue
+        for remedy, state in sorted(dict(hook.get("carry") or {}).items()):
+            listed = ", ".join(f"{k}={_brief(v)}" for k, v in dict(state).items())
+            out.append(Finding("carried", "info", f"custom_hooks[{i}].carry.{remedy}", state,
+                               f"re-applied by the {remedy!r} remedy before the first iteration, each value logged "
+                               f"({listed})", "nothing to do: this is the earlier run's state, carried on purpose"))
+        for key in ("quarantine", "fp32_modules"):
+            if hook.get(key):
+                out.append(Finding("carried", "info", f"custom_hooks[{i}].{key}", hook[key],
+                                   f"{len(hook[key])} entr{'y' if len(hook[key]) == 1 else 'ies'} applied before the "
+                                   "first iteration (samples resolved through this run's own dataset wrappers)"
+                                   if key == "quarantine" else "modules run in fp32 from the first iteration",
+                                   "nothing to do: this is the earlier run's state, carried on purpose"))
+    return out
+
+
+def _brief(value: Any) -> str:
+    if isinstance(value, (list, tuple)) and len(value) > 3:
+        return f"[{', '.join(map(str, value[:3]))}, ... ({len(value)} in all)]"
+    return repr(value)
+
+
 _CHECK_ORDER: Tuple[Callable[[_Run], List[Finding]], ...] = (
     _check_lr, _check_static_scale, _check_flash, _check_bn, _check_clip, _check_dropout, _check_hooks,
-    _check_checkpoints,
+    _check_checkpoints, _check_carried,
 )
 
 

@@ -5,12 +5,12 @@ out of the batch; :func:`resolve_indices` maps ids back to dataset indices where
 :func:`suspect_rows` names the samples of a batch that hold non-finite (or, under fp16, out-of-range) values
 themselves. Torch only: MMEngine's data samples and MMCV 1.x's ``DataContainer`` are duck-typed.
 """
-from collections import defaultdict
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
 from .fp16 import FP16_MAX, reaches_fp16
+from .wrappers import infos_of, resolve
 
 __all__ = ["ID_KEYS", "key", "sample_ids", "info_ids", "named_samples", "suspect_rows", "indices_of", "resolve_indices"]
 
@@ -94,88 +94,19 @@ def sample_ids(batch: Any) -> List[Dict[str, Any]]:
     return out
 
 
-class _InfosByCall(Sequence[Any]):
-    """A dataset's infos read one at a time through ``get_data_info(i)`` (MMEngine with ``serialize_data=True``, whose
-    wrappers also map an index to their inner dataset's info)."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset.get_data_info(index)
-
-    def __iter__(self) -> Iterator[Any]:
-        return (self[i] for i in range(len(self)))
-
-
-def _infos(dataset: Any) -> Sequence[Any]:
-    """The dataset's own per-index infos: ``data_infos`` (MMCV 1.x: mmdet3d 0.17 / 1.0rc, PETR, StreamPETR),
-    ``data_list`` (MMEngine, when not serialized), else ``get_data_info`` (:class:`_InfosByCall`); empty for a
-    dataset without any."""
-    infos = getattr(dataset, "data_infos", None)
-    if infos is None:
-        infos = getattr(dataset, "data_list", None) or None
-    if infos is None and hasattr(dataset, "get_data_info") and hasattr(dataset, "__len__"):
-        infos = _InfosByCall(dataset)
-    return infos or []
-
-
-def _table(dataset: Any) -> Dict[Any, List[int]]:
-    inner = getattr(dataset, "dataset", None)
-    mapping = getattr(dataset, "sample_indices", None)  # mmdet3d CBGSDataset
-    if mapping is None:
-        mapping = getattr(dataset, "repeat_indices", None)  # MMEngine ClassBalancedDataset
-    if inner is not None and mapping is not None:
-        outer: Dict[int, List[int]] = defaultdict(list)
-        for position, index in enumerate(mapping):
-            outer[int(index)].append(position)
-        return {v: [p for i in idxs for p in outer[i]] for v, idxs in _table(inner).items()}
-    if inner is not None and isinstance(getattr(dataset, "times", None), int):  # RepeatDataset
-        size = len(inner)
-        return {v: [i + k * size for k in range(dataset.times) for i in idxs] for v, idxs in _table(inner).items()}
-    table: Dict[Any, List[int]] = defaultdict(list)
-    for i, info in enumerate(_infos(dataset)):
-        if not isinstance(info, Mapping):
-            continue
-        for key in ("token", "sample_idx"):
-            value = info.get(key)
-            try:
-                if value is not None and i not in table[value]:
-                    table[value].append(i)
-            except TypeError:  # unhashable
-                continue
-    return table
-
-
 def resolve_indices(dataset: Any, ids: Iterable[Mapping[str, Any]]) -> List[int]:
     """Every dataset index that serves the samples in ``ids`` (from :func:`sample_ids`), sorted, unique.
 
-    An ``index`` is taken as is; otherwise ``token`` / ``sample_idx`` are looked up among the dataset's infos
-    (``data_infos``, ``data_list`` or ``get_data_info``; one pass, on the recovery path only), through mmdet3d's
-    ``CBGSDataset`` and MMEngine's ``ClassBalancedDataset`` / ``RepeatDataset`` (every repeat of a sample is
-    served by several indices: all are returned). Ids found nowhere give nothing.
+    An ``index`` is taken as is; otherwise ``token`` / ``sample_idx`` are looked up among the infos of the datasets
+    that hold the samples, through every wrapper :mod:`.wrappers` knows (one resolver: :func:`~.wrappers.resolve`),
+    so every index serving a sample is returned. Ids found nowhere give nothing.
     """
-    ids = list(ids)
     found = set()
-    table: Optional[Dict[Any, List[int]]] = None
     for entry in ids:
         if entry.get("index") is not None:
             found.add(int(entry["index"]))
-            continue
-        if dataset is None:
-            continue
-        if table is None:
-            table = _table(dataset)
-        for key in ("token", "sample_idx"):
-            value = entry.get(key)
-            if value is not None:
-                try:
-                    found.update(table.get(value, ()))
-                except TypeError:
-                    continue
+        elif dataset is not None:
+            found.update(resolve(dataset, {k: entry[k] for k in ("token", "sample_idx") if entry.get(k) is not None}))
     return sorted(found)
 
 
@@ -185,7 +116,7 @@ def info_ids(dataset: Any, index: int) -> Dict[str, Any]:
     ``data_list[index]``, else ``get_data_info(index)`` (MMEngine's, wrappers included, which map the index to their
     inner dataset). Nothing for a dataset without infos or an index it does not hold. Recovery path only."""
     try:
-        infos = _infos(dataset)
+        infos = infos_of(dataset)
         info = infos[index] if 0 <= index < len(infos) else None
     except Exception:  # naming is evidence only: a dataset whose info cannot be read names nothing more
         return {}

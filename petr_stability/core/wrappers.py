@@ -10,9 +10,14 @@ then known by the ids the data carries (``token``, ``sample_idx``: :mod:`.sample
 each wrapper has had since mmdet3d 0.17 / mmdet 2.x / MMEngine 0.x / torch 1.9; recovery path only.
 """
 import bisect
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["Sample", "sample_of", "indices_serving", "describe", "wraps"]
+__all__ = ["Sample", "ID_FIELDS", "sample_of", "indices_serving", "describe", "wraps", "infos_of", "identity",
+           "resolve"]
+
+#: The ids an identity carries beside the sample's place (the leaf dataset, its inner index): what the data and the
+#: dataset's infos say the sample is (nuScenes ``token``, mmdet3d ``sample_idx``, StreamPETR ``scene_token``).
+ID_FIELDS = ("token", "sample_idx", "scene_token")
 
 #: A chain longer than this is a cycle (a wrapper whose ``dataset`` is itself), not a dataset.
 _MAX_DEPTH = 16
@@ -36,6 +41,35 @@ class Sample(NamedTuple):
         a ``'?'`` prefix where an unknown wrapper ended the walk."""
         name = f"{self.part}/{self.index}" if self.parts > 1 else str(self.index)
         return name if self.known else f"?{name}"
+
+
+class _InfosByCall(Sequence[Any]):
+    """A dataset's infos read one at a time through ``get_data_info(i)`` (MMEngine with ``serialize_data=True``, whose
+    wrappers also map an index to their inner dataset's info)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset.get_data_info(index)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+
+def infos_of(dataset: Any) -> Sequence[Any]:
+    """The dataset's own per-index infos: ``data_infos`` (MMCV 1.x: mmdet3d 0.17 / 1.0rc, PETR, StreamPETR),
+    ``data_list`` (MMEngine, when not serialized), else ``get_data_info`` (:class:`_InfosByCall`); empty for a
+    dataset without any."""
+    infos = getattr(dataset, "data_infos", None)
+    if infos is None:
+        infos = getattr(dataset, "data_list", None) or None
+    if infos is None and hasattr(dataset, "get_data_info") and hasattr(dataset, "__len__"):
+        infos = _InfosByCall(dataset)
+    return infos or []
 
 
 def _dataset_like(value: Any) -> bool:
@@ -159,3 +193,75 @@ def describe(dataset: Any, indices: Sequence[int]) -> Dict[str, Any]:
     if not sample.known:
         out["wrapper_unknown"] = True
     return out
+
+
+def identity(dataset: Any, index: int) -> Dict[str, Any]:
+    """What the sample ``dataset[index]`` is, whatever wrappers serve it: the leaf dataset's class (``dataset``), its
+    index there (``inner_index``), ``part`` where a concatenation holds several, and the ids the leaf's info for it
+    holds (:data:`ID_FIELDS`). What a quarantine stores for the next run, which resolves it through its own chain
+    (another seed, another CBGS table) with :func:`resolve`. An unknown wrapper ends the walk: ``index`` then."""
+    sample = sample_of(dataset, int(index))
+    if not sample.known:
+        return {"index": int(index)}
+    out: Dict[str, Any] = {"dataset": sample.leaf, "inner_index": sample.index}
+    if sample.parts > 1:
+        out["part"] = sample.part
+    leaf = _leaves(dataset)[sample.part]
+    try:
+        infos = infos_of(leaf)
+        info = infos[sample.index] if 0 <= sample.index < len(infos) else None
+    except Exception:  # noqa: BLE001 (ids are a help to the next run; the place alone names the sample)
+        info = None
+    if isinstance(info, Mapping):
+        out.update({k: info[k] for k in ID_FIELDS if isinstance(info.get(k), (str, int)) and not
+                    isinstance(info.get(k), bool)})
+    return out
+
+
+def resolve(dataset: Any, who: Mapping[str, Any]) -> List[int]:
+    """Every index of ``dataset`` serving the sample ``who`` names, sorted (empty where this dataset holds none).
+
+    ``who`` is an :func:`identity` (its ids first: ``token`` / ``sample_idx`` looked up in the leaves' infos, as they
+    name the sample even where an inner index moved; else the leaf's class, ``part`` and ``inner_index``), a bare id
+    (``{'token': ...}``), or ``{'index': i}`` (an index of this very dataset, as quarantines named samples before
+    identities: taken as is).
+    """
+    if who.get("index") is not None and who.get("inner_index") is None:
+        return [int(who["index"])] if 0 <= int(who["index"]) < len(dataset) else []
+    keys: List[str] = []
+    for field in ("token", "sample_idx"):  # StreamPETR's sample_idx is the nuScenes token: either names either
+        if who.get(field) is not None:
+            keys = _ids(dataset).get(who[field], [])
+            if keys:
+                break
+    if not keys and who.get("inner_index") is not None:
+        leaves = _leaves(dataset)
+        part = int(who.get("part", 0))
+        if part < len(leaves) and who.get("dataset") in (None, type(leaves[part]).__name__):
+            keys = [Sample(part, int(who["inner_index"]), True, "", len(leaves)).key]
+    table = _table(dataset)
+    return sorted({i for k in keys for i in table.get(k, [])})
+
+
+# One ids table per dataset object: an id (a token or a sample_idx) -> the sample keys whose leaf info holds it.
+_IDS: Dict[int, Tuple[Any, Dict[Any, List[str]]]] = {}
+
+
+def _ids(dataset: Any) -> Dict[Any, List[str]]:
+    cached = _IDS.get(id(dataset))
+    if cached is not None and cached[0] is dataset:
+        return cached[1]
+    leaves = _leaves(dataset)
+    found: Dict[Any, List[str]] = {}
+    for part, leaf in enumerate(leaves):
+        for index, info in enumerate(infos_of(leaf)):
+            if not isinstance(info, Mapping):
+                continue
+            key = Sample(part, index, True, "", len(leaves)).key
+            for field in ("token", "sample_idx"):
+                value = info.get(field)
+                if isinstance(value, (str, int)) and not isinstance(value, bool) and key not in found.get(value, ()):
+                    found.setdefault(value, []).append(key)
+    _IDS.clear()  # one training set per process is the rule
+    _IDS[id(dataset)] = (dataset, found)
+    return found

@@ -11,13 +11,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
 __all__ = ["ROOT", "HANG_S", "BAD_SAMPLE", "ExampleRun", "example_env", "train_example", "config_values",
            "load_checkpoint", "all_finite", "check_readme_lines", "check_healthy", "check_bad_sample", "guard_state",
-           "check_user_remedy"]
+           "check_user_remedy", "check_next_incident"]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Ends a hung example only: a run takes 6-22 s here (examples/README.md), and no verdict rests on how long it took
@@ -162,3 +162,29 @@ def check_user_remedy(example: Path, tmp: Path, resume: str) -> None:
     assert read_incidents(str(following.work_dir)) == []
     last = load_checkpoint(sorted(glob.glob(str(following.work_dir / "*.pth")))[-1])
     assert last["optimizer"]["param_groups"][0]["betas"][1] == 0.95 and guard_state(last)["remedies"]
+    # The toy detector builds its transformer in code: no config key holds its dropouts, so the patched config
+    # carries every module run 1 zeroed, and the next run sets them to 0 before its first iteration.
+    zeroed = [a["target"] for a in rec["actions"] if a["new"] == 0.0]
+    assert zeroed and "no transformer found in the detection head" in patched
+    for target in zeroed:
+        assert f"carried from the earlier run: {target}: 0.1 -> 0.0" in following.output, target
+    check_next_incident(example, tmp, first.work_dir / "nan_guard_patched_config.py", zeroed)
+
+
+def check_next_incident(example: Path, tmp: Path, patched: Path, zeroed: List[str]) -> None:
+    """The next run from the patched config, the same fire drill planted again: its incident is not the one run 1
+    fixed (the known manual fix is in force from the first iteration: the ladder goes on to its next rung)."""
+    from petr_stability import read_incidents
+    from petr_stability.configfix import load_config
+
+    hooks = [h for h in load_config(str(patched))["custom_hooks"] if "NanGuardHook" in str(h.get("type"))]
+    drill = dict(type="FaultInjectionHook", faults=[dict(kind="weights", iters=[12], value="nan")])
+    config = tmp / "drill_again.py"
+    config.write_text(f"_base_ = [{str(patched)!r}]\ncustom_hooks = {hooks + [drill]!r}\n")
+    run = train_example(example, tmp / "run4", config=config, paths=(str(ROOT / "examples" / "user_remedy"),))
+    assert run.returncode == 0, run.tail()
+    (rec,) = read_incidents(str(run.work_dir))
+    assert rec["cause"]["cause"] == "dynamics" and "in force already" in rec["cause"]["evidence"], rec["cause"]
+    targets = [a["target"] for a in rec["actions"]]
+    assert not set(zeroed) & set(targets) and not any("max_norm" in t for t in targets), targets
+    assert any(t.endswith(".lr") for t in targets), targets  # the learning-rate rung

@@ -634,7 +634,8 @@ def test_config_fix_describes_exactly_what_it_holds():
     (dict(lr_factor=0), "lr_factor must be a finite number > 0, got 0"),
     (dict(lr_factor=True), "lr_factor must be a finite number > 0, got True"),
     (dict(fp32_modules=["a"]), r"fp32_modules must map module names to class names, got \['a'\]"),
-    (dict(quarantine=[-1]), r"quarantine must be a list of dataset indices \(ints >= 0\), got \[-1\]"),
+    (dict(quarantine=[-1]),
+     r"quarantine must be a list of dataset indices \(ints >= 0\) or sample identities \(dicts\), got \[-1\]"),
 ])
 def test_config_fix_errors_name_the_bad_value(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -576,3 +576,16 @@ def test_real_streampetr_60e_config_at_its_8_gpus():
     assert "lr-not-scaled" not in _ids(findings)
     f = _one(check_file(STREAMPETR_CLONE, world_size=2), "lr-not-scaled")
     assert "num_gpus=8 x batch_size=2" in f.why and "2 x 2 = 4 (data.samples_per_gpu=2 per GPU)" in f.why
+
+
+def test_a_patched_configs_carried_state_is_listed():
+    # Issue 33: `petr-stability check` on a patched config lists what the hook re-applies before the first iteration.
+    cfg = {"model": {"type": "M"}, "optim_wrapper": {"clip_grad": {"max_norm": 1}},
+           "custom_hooks": [{"type": "NanGuardHook", "carry": {"dropout": {"zeroed": ["head.a.p", "head.b.p"]}},
+                             "quarantine": [{"dataset": "NuScenesDataset", "inner_index": 7, "token": "t7"}]}]}
+    found = [f for f in check_config(cfg) if f.check == "carried"]
+    assert [(f.key, f.severity) for f in found] == [("custom_hooks[0].carry.dropout", "info"),
+                                                    ("custom_hooks[0].quarantine", "info")]
+    assert "zeroed=['head.a.p', 'head.b.p']" in found[0].why and "1 entry" in found[1].why
+    plain = check_config({"model": {}, "custom_hooks": [{"type": "NanGuardHook"}]})
+    assert [f for f in plain if f.check == "carried"] == []

@@ -176,8 +176,13 @@ class TorchLoopRun:
     def wrap_dataset(self, wrap: Any) -> Any:
         """Trains on ``wrap(the dataset)`` (before train()); returns the wrapped dataset."""
         dataset = wrap(self.io.loader.dataset)
-        self.io.loader = DataLoader(dataset, batch_size=8, shuffle=False)
+        self.io.loader = DataLoader(dataset, batch_size=self.batch_size, shuffle=False)
         return dataset
+
+    def set_batch_size(self, n: int) -> None:
+        """Trains with batches of ``n`` (before train())."""
+        self.batch_size = n
+        self.io.loader = DataLoader(self.io.loader.dataset, batch_size=n, shuffle=False)
 
 
 class MMEngineRun:
@@ -250,6 +255,10 @@ class MMEngineRun:
         self.leaf = self.runner._train_dataloader["dataset"]
         self.runner._train_dataloader["dataset"] = wrap(self.leaf)
         return self.runner._train_dataloader["dataset"]
+
+    def set_batch_size(self, n: int) -> None:
+        """Trains with batches of ``n`` (before train())."""
+        self.batch_size = self.runner._train_dataloader["batch_size"] = n
 
     @property
     def guard(self) -> Any:
@@ -335,6 +344,11 @@ class MMCV1Run:
         loader = self.runner.loader
         self.runner.loader = DataLoader(wrap(self.leaf), batch_size=loader.batch_size, shuffle=False)
         return self.runner.loader.dataset
+
+    def set_batch_size(self, n: int) -> None:
+        """Trains with batches of ``n`` (before train())."""
+        self.batch_size = n
+        self.runner.loader = DataLoader(self.runner.loader.dataset, batch_size=n, shuffle=False)
 
     @property
     def guard(self) -> Any:

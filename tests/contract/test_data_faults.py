@@ -204,3 +204,53 @@ def _set_iters(run, iters):
         runner._train_loop["max_iters"] = iters
     elif runner is not None:  # MMCV 1.x IterBasedRunner
         runner._max_iters = iters
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_the_next_run_keeps_a_quarantined_sample_out_whatever_its_resampler_draws(family, tmp_path):
+    # Issue 33: run 1 quarantines a corrupt sample inside a CBGS-like resampler under every copy its table drew; the
+    # next run draws another table (another seed) with another batch size. What the patched config carries names
+    # the sample by what it is, resolved through run 2's own table before its first batch: the corrupt sample is never
+    # fetched, nothing breaks, and no good sample loses a copy (before: run 1's outer indices, which in run 2 serve
+    # good samples, while the corrupt one came back under its new indices and broke the run again).
+    wrap = lambda seed: lambda d: CBGSLike(d, copies=3, seed=seed)  # noqa: E731
+    run, leaf, outer = build(family, tmp_path / "run1", iters=0, guard=dict(quarantine_fraction=0.1), wrap=wrap(0))
+    copies = {}
+    for i in range(len(outer)):
+        copies.setdefault(sample_of(outer, i).index, []).append(i)
+    n = per_epoch(run, outer)
+    bad = next(s for s, where in sorted(copies.items(), key=lambda kv: kv[1][0])
+               if len(where) >= 3 and where[0] >= (n // 4) * run.batch_size)
+    _set_iters(run, n + 2)
+    run.corrupt(bad)
+    run.train()
+    assert sorted(run.guard.remedy("quarantine").skip_list) == copies[bad]
+    carried = run.guard.config_fix().quarantine
+    assert len(carried) == 1 and carried[0]["inner_index"] == bad and "index" not in carried[0], carried
+    ((rec, named),) = _named(tmp_path / "run1", "quarantined")
+    assert named[0]["identity"] == carried[0]  # the record says what the next run is given
+    if family == "torch_loop":  # the loop's config has the hook entry
+        text = (tmp_path / "run1" / "nan_guard_patched_config.py").read_text()
+        assert f"inner_index={bad}" in text and "served_as" not in text
+
+    def second(name, quarantine, corrupt):
+        again, _, table = build(family, tmp_path / name, iters=0, guard=dict(quarantine_fraction=0.1,
+                                                                               quarantine=quarantine), wrap=wrap(1))
+        again.set_batch_size(2 * run.batch_size)
+        _set_iters(again, per_epoch(again, table))
+        if corrupt:
+            again.corrupt(bad)
+        again.train()
+        assert again.params_finite()
+        return again, table
+
+    run2, table = second("run2", carried, corrupt=True)
+    assert sorted(run2.guard.remedy("quarantine").skip_list) == [i for i in range(len(table))
+                                                                   if sample_of(table, i).index == bad]
+    assert read_incidents(str(tmp_path / "run2")) == []
+    base, _ = second("base", [], corrupt=False)  # run 2 as it trains without any quarantine (and nothing corrupt)
+    got, want = fetches(run2), fetches(base)
+    assert got[bad] == 0 < want[bad]
+    good = [i for i in range(len(leaf)) if i != bad]
+    assert all(got[i] >= want[i] for i in good), {i: (got[i], want[i]) for i in good if got[i] < want[i]}
+    assert sum(got[i] - want[i] for i in good) == want[bad]  # the substitutes fill exactly the bad sample's slots

@@ -164,6 +164,9 @@ class Infos:
     def __len__(self):
         return 4
 
+    def __getitem__(self, i):
+        return self.data_infos[i]
+
 
 class CBGS:
     def __init__(self, dataset):
@@ -172,6 +175,9 @@ class CBGS:
 
     def __len__(self):
         return len(self.sample_indices)
+
+    def __getitem__(self, i):
+        return self.dataset[self.sample_indices[i]]
 
 
 class Serialized:

@@ -75,7 +75,7 @@ def test_the_state_keeps_the_checkpoint_layout_and_idle_remedies_are_never_calle
     remedies = Remedies(GuardConfig())
     state = remedies.state_dict()
     assert set(state) == {"clip", "dropout_zeroed", "scale_made_dynamic", "policy"}
-    assert set(state["policy"]) == {"lr_factor", "skip", "sightings", "refused_samples", "fp32"}
+    assert set(state["policy"]) == {"lr_factor", "skip", "sightings", "refused_samples", "identities", "fp32"}
     for cls in REMEDY_TYPES.values():  # an idle remedy is read from its declarations alone
         monkeypatch.setattr(cls, "summary", lambda self, io: pytest.fail(f"{self.name}.summary called"))
     summary = remedies.summary(FakeIO())

@@ -21,6 +21,7 @@ MMCV 1.x facts this adapter handles (``docs``: RUNNER-INTERNALS, "MMCV 1.x"):
 import glob
 import logging
 import os
+import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -313,8 +314,9 @@ class MMCV1IO(GuardIO):
         return None
 
     def train_loader(self) -> Any:
-        # Set by the runner as training starts (EpochBasedRunner.train, IterBasedRunner.train: an IterLoader).
-        loader = getattr(self.runner, "data_loader", None)
+        # Set by the runner as training starts (EpochBasedRunner.train, IterBasedRunner.train: an IterLoader); before
+        # that, the loader the runner's run() was given (_given_loader).
+        loader = getattr(self.runner, "data_loader", None) or _given_loader(self.runner)
         return getattr(loader, "_dataloader", loader)
 
     def live_loader_iterator(self) -> Any:
@@ -361,3 +363,20 @@ def completed_iters(meta: Dict[str, Any], runner: Any) -> int:
     if mark is not None:
         return it + 1 if int(mark) == it else it
     return it + 1 if isinstance(runner, IterBasedRunner) else it
+
+
+def _given_loader(runner: Any) -> Any:
+    """The training ``DataLoader`` ``runner.run(data_loaders, workflow)`` was given, read from its frame while its hooks
+    run (``before_run``): MMCV 1.x's ``IterBasedRunner`` keeps it in that local until its first iteration has fetched a
+    batch (it sets ``runner.data_loader`` only then, and its ``IterLoader`` makes the iterator, with any workers'
+    prefetch, right after ``before_run``), so this is the one moment a quarantine carried from an earlier run can go in
+    before the first batch. None outside ``run()`` or where the frame is not MMCV's."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        names = frame.f_locals
+        if frame.f_code.co_name == "run" and names.get("self") is runner and "data_loaders" in names:
+            flows = [mode for mode, _ in names.get("workflow") or []]
+            loaders = names["data_loaders"]
+            return loaders[flows.index("train")] if "train" in flows and len(loaders) == len(flows) else None
+        frame = frame.f_back
+    return None

@@ -241,11 +241,14 @@ class CausePolicy:
         carry), nothing else."""
         fields: Dict[str, Any] = {}
         carry: Dict[str, Dict[str, Any]] = {}
+        fallback: Dict[str, Dict[str, Dict[str, Any]]] = {}
         for name, entry in self.remedies.config_entries(io).items():
             fields.update(entry.fix)
             if entry.carry:
                 carry[name] = dict(entry.carry)
-        return ConfigFix(**fields, carry=carry)
+            for field_name, value in entry.fallback.items():
+                fallback.setdefault(field_name, {})[name] = dict(value)
+        return ConfigFix(**fields, carry=carry, fallback=fallback)
 
     # ------------------------------------------------------------------ outside an incident
     def start(self, io: GuardIO) -> List[Change]:

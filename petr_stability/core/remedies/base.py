@@ -79,10 +79,13 @@ class ConfigEntry:
             ``zero_dropout``, ``lr_factor``, ...). Defaults to {}.
         carry: what the config cannot express, carried in the ``NanGuardHook`` entry (``carry={name: ...}``) and
             given back to :meth:`Remedy.reapply` before the next run's first iteration. Defaults to {}.
+        fallback: what to carry instead where the config has no key for a ``fix`` field (``{field: carry}``: an
+            lr factor where the config holds no ``lr``). Defaults to {}.
     """
 
     fix: Mapping[str, Any] = field(default_factory=dict)
     carry: Mapping[str, Any] = field(default_factory=dict)
+    fallback: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

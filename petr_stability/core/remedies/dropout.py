@@ -1,5 +1,5 @@
 """The dropout remedy: every drop probability of the detection head's transformer to 0, in place."""
-from typing import Any, Iterable, List, Sequence, Tuple
+from typing import Any, Iterable, List, Mapping, Sequence, Tuple
 
 from torch import nn
 
@@ -116,6 +116,9 @@ class DropoutRemedy(Remedy):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.dropout_zeroed = False
+        #: Every drop probability this run set to 0 (``module.attribute``): what the patched config carries, as a
+        #: transformer built in code has no config key for it.
+        self.zeroed: List[str] = []
 
     def in_effect(self, ctx: Context) -> bool:
         return self.dropout_zeroed
@@ -128,10 +131,32 @@ class DropoutRemedy(Remedy):
         if ctx.event == When.START and changes:
             ctx.io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
         self.dropout_zeroed = True
+        self.zeroed += [c.target for c in changes if c.target not in self.zeroed]
+        return changes
+
+    def reapply(self, carried: Mapping[str, Any], ctx: Context) -> List[Change]:
+        """The next run's start: every carried drop probability to 0 on the modules that have it (where the config's
+        keys did not already), before its first iteration."""
+        model, changes = ctx.io.model(), []
+        for target in carried.get("zeroed") or []:
+            path, _, attr = str(target).rpartition(".")
+            try:
+                module = model.get_submodule(path) if path else model
+            except AttributeError:
+                ctx.io.log(f"NanGuard: carried dropout {target}: no such module in this model; left alone", "warning")
+                continue
+            value = getattr(module, attr, None)
+            if isinstance(value, float) and value > 0:
+                setattr(module, attr, 0.0)
+                changes.append(Change(str(target), value, 0.0))
+        self.dropout_zeroed = True
+        self.zeroed = [str(t) for t in carried.get("zeroed") or []]
         return changes
 
     def load_value(self, key: str, value: Any) -> Any:
         return bool(value)
 
     def config_entry(self, io: Any) -> ConfigEntry:
-        return ConfigEntry(fix={"zero_dropout": True})
+        # The config's dropout keys where it has them, and the modules themselves always: a transformer built in code
+        # (a torch nn.TransformerDecoderLayer in the head) has no key, and the next run must not train with 0.1 again.
+        return ConfigEntry(fix={"zero_dropout": True}, carry={"zeroed": list(self.zeroed)} if self.zeroed else {})

@@ -1,6 +1,6 @@
 """The learning-rate remedy: the rate times a factor, now and in every later value of its schedules."""
 import math
-from typing import Any, Iterable, List
+from typing import Any, Iterable, List, Mapping
 
 from ..causes import Cause
 from ..validate import Setting, is_number
@@ -122,4 +122,16 @@ class LrBackoff(Remedy):
         return float(value)
 
     def config_entry(self, io: Any) -> ConfigEntry:
-        return ConfigEntry(fix={"lr_factor": self.lr_factor} if self.lr_factor != 1.0 else {})
+        if self.lr_factor == 1.0:
+            return ConfigEntry()
+        # Written into the config's lr and schedule; carried instead where it holds no lr (a user's scheduler).
+        return ConfigEntry(fix={"lr_factor": self.lr_factor}, fallback={"lr_factor": {"lr_factor": self.lr_factor}})
+
+    def reapply(self, carried: Mapping[str, Any], ctx: Context) -> List[Change]:
+        """The next run's start, from a factor carried where its config holds no lr: every rate and schedule times
+        it (a resumed run's optimizer holds the backed-off rates already: never at START)."""
+        factor = float(carried.get("lr_factor", 1.0))
+        if factor == 1.0:
+            return []
+        self.lr_factor = factor
+        return scale_lr(ctx.io.optimizers(), factor, ctx.io.lr_schedulers())

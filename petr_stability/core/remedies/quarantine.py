@@ -11,8 +11,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 from ..causes import Cause
 from ..samples import key as _key
 from ..samples import resolve_indices
-from ..validate import Setting, check_indices, check_number, is_bool
-from ..wrappers import describe, indices_serving, sample_of, wraps
+from ..validate import Setting, check_indices, check_list, check_number, is_bool
+from ..wrappers import describe, identity, indices_serving, resolve, sample_of, wraps
 from .base import Change, ConfigEntry, Context, Outcome, Remedy, When
 
 __all__ = ["SkipList", "QuarantineSampler", "Quarantine", "short_samples", "bad_data_advice"]
@@ -283,8 +283,20 @@ def bad_data_advice(every: List[Dict[str, Any]]) -> str:
             "samples, or raise quarantine_fraction")
 
 
-def _pinned(name: str, value: Any) -> Tuple[int, ...]:
-    return tuple(check_indices(name, value))
+def _pinned(name: str, value: Any) -> Tuple[Any, ...]:
+    """Dataset indices (ints: this run's own, as patched configs wrote them before identities) and identities (what a
+    sample is: ``inner_index`` with its leaf ``dataset`` / ``part``, and ids: ``token``, ``sample_idx``)."""
+    entries = check_list(name, value)
+    ints = check_indices(name, [e for e in entries if not isinstance(e, Mapping)])
+    whos: List[Dict[str, Any]] = []
+    for entry in entries:
+        if not isinstance(entry, Mapping):
+            continue
+        if not any(entry.get(k) is not None for k in ("inner_index", "token", "sample_idx", "index")):
+            raise ValueError(f"{name}: an identity needs inner_index, token, sample_idx or index, got {dict(entry)!r}")
+        if dict(entry) not in whos:
+            whos.append(dict(entry))
+    return tuple(ints) + tuple(whos)
 
 
 def _fraction(name: str, value: Any) -> float:
@@ -312,14 +324,16 @@ class Quarantine(Remedy):
         Setting("quarantine_fraction", 0.001, _fraction, "at most this fraction of the dataset's "
                 "samples is quarantined as bad data (at least one); a batch past it is refused and skipped, and "
                 "refused samples that break the run again stop it with ``BadDataError``."),
-        Setting("quarantine", (), _pinned, "dataset indices never served, from the start (an earlier run's "
-                "quarantine, as its patched config carries it); they do not use up this run's "
+        Setting("quarantine", (), _pinned, "samples never served, from the start: what an earlier run quarantined, as "
+                "its patched config carries it, each by what it is (``dict(dataset=..., inner_index=..., token=...)``: "
+                "resolved through this run's own dataset wrappers, whatever its seed, CBGS table or batch size) or, as "
+                "older patched configs wrote, by dataset index; they do not use up this run's "
                 "``quarantine_fraction``."),
         Setting("quarantine_recurring", True, is_bool, "a sample evidence names at skipped steps (an fp32 step "
                 "skipped, an fp16 step whose forward is non-finite) in two different epochs, or under two indices, "
                 "is quarantined within ``quarantine_fraction``."),
     )
-    state = ("skip", "sightings", "refused_samples")
+    state = ("skip", "sightings", "refused_samples", "identities")
     section = "policy"
     idle = {"quarantined": [], "refused": [], "bad_samples": []}
 
@@ -331,6 +345,9 @@ class Quarantine(Remedy):
         self.sightings: Dict[str, List[List[int]]] = {}
         #: Sample -> how its record named it, for the samples the bound refused.
         self.refused_samples: Dict[str, Dict[str, Any]] = {}
+        #: Quarantined sample -> what it is (:func:`~..wrappers.identity`): what a resume, and the next run from the
+        #: patched config, resolve through their own dataset wrappers.
+        self.identities: Dict[str, Dict[str, Any]] = {}
         #: The live skip list the training loader's sampler honours (from :attr:`When.ATTACH` on).
         self.skip_list: Optional[SkipList] = None
 
@@ -347,19 +364,42 @@ class Quarantine(Remedy):
 
     def _attach(self, io: Any) -> SkipList:
         """The quarantine the training loader's sampler honours, sized for its dataset: a resumed run's quarantine and
-        the ``quarantine`` argument."""
-        pinned = list(self.config.quarantine)
+        the ``quarantine`` argument, each sample resolved through this run's dataset wrappers by what it is (its
+        identity: another seed draws another CBGS table), before the first batch."""
+        dataset, pinned = io.dataset(), list(self.config.quarantine)
         skip = SkipList(io.dataset_size(), max_fraction=self.config.quarantine_fraction, allowance=len(pinned))
         if self.skip:
-            skip.load_state_dict(self.skip)
+            old = SkipList(0)
+            old.load_state_dict(self.skip)
+            for key, indices in old.by_sample().items():
+                who = self.identities.get(key)
+                now = resolve(dataset, who) if who and dataset is not None else indices
+                if now:
+                    skip.add(now, old.meta(indices[0]) if indices else {}, sample=key)
             io.log(f"NanGuard: resumed quarantine of {skip.samples} sample(s): dataset indices {list(skip)}")
+        for who in pinned:
+            self._pin(io, dataset, skip, who)
         if pinned:
-            skip.add(pinned, {"from": "quarantine"})
             io.log(f"NanGuard: {len(pinned)} sample(s) quarantined from the start (quarantine): dataset indices "
-                   f"{pinned}")
+                   f"{list(skip)}")
         self.skip_list = skip
         self._sync()
         return skip
+
+    def _pin(self, io: Any, dataset: Any, skip: SkipList, who: Any) -> None:
+        """One entry of ``quarantine``: an index of this dataset, or an identity resolved through its wrappers."""
+        if not isinstance(who, Mapping):
+            skip.add([who], {"from": "quarantine"})
+            return
+        indices = resolve(dataset, who) if dataset is not None else []
+        if not indices:
+            io.log(f"NanGuard: quarantine: {short_samples([dict(who)])} is no sample of this run's dataset; nothing "
+                   "kept out for it", "warning")
+            return
+        ids = {k: who[k] for k in ("token", "sample_idx") if who.get(k) is not None}
+        key, serving, _ = self._identify(dataset, dict(ids, index=indices[0]))
+        skip.add(serving, {"from": "quarantine"}, sample=key)
+        self.identities[key] = dict(who)
 
     def _sync(self) -> None:
         self.skip = self.skip_list.state_dict() if self.skip_list is not None and len(self.skip_list) else None
@@ -404,6 +444,8 @@ class Quarantine(Remedy):
         named = dict(sample, index=index)
         if wraps(dataset):
             named.update(describe(dataset, indices))
+        if dataset is not None:  # what the next run resolves through its own wrappers (another seed, another table)
+            named["identity"] = identity(dataset, index)
         return key, indices, named
 
     def _indices_of(self, key: str) -> List[int]:
@@ -443,6 +485,8 @@ class Quarantine(Remedy):
             if fits and skip.add(indices, dict(meta, sample=key), sample=key):
                 taken.append(named)
                 self.refused_samples.pop(key, None)
+                if named.get("identity"):
+                    self.identities[key] = dict(named["identity"])
             else:
                 refused.append(named)
                 self.refused_samples[key] = _served(named, indices)
@@ -468,6 +512,8 @@ class Quarantine(Remedy):
                     {"index": indices[0]}
                 if first.get("from"):
                     out[key]["from"] = first["from"]
+                if key in self.identities:
+                    out[key]["identity"] = dict(self.identities[key])
         out.update({k: dict(v) for k, v in self.refused_samples.items()})
         out.update({k: _served(named, indices) for k, indices, named in found})
         return list(out.values())
@@ -544,7 +590,7 @@ class Quarantine(Remedy):
                 else:
                     sightings[str(k)] = [[int(e), int(i)] for e, i in v]
             return sightings
-        return {str(k): dict(v) for k, v in dict(value or {}).items()}
+        return {str(k): dict(v) for k, v in dict(value or {}).items()}  # refused_samples, identities
 
     def summary(self, io: Any) -> Dict[str, Any]:
         quarantined = [] if self.skip_list is None else list(self.skip_list)
@@ -556,8 +602,17 @@ class Quarantine(Remedy):
                 "bad_samples": sorted(set(quarantined) | set(refused))}
 
     def config_entry(self, io: Any) -> ConfigEntry:
-        bad = self.summary(io)["bad_samples"]
-        return ConfigEntry(fix={"quarantine": bad} if bad else {})
+        """Every bad sample, quarantined or refused, by what it is (its identity, resolved by the next run through its
+        own wrappers), or by its index where nothing more is known of it."""
+        entries: List[Any] = []
+        for sample in self.bad_samples():
+            who = sample.get("identity") or ({"index": sample["index"]} if "index" in sample else None)
+            if who is None:
+                continue
+            entry = int(who["index"]) if set(who) == {"index"} else dict(who)
+            if entry not in entries:
+                entries.append(entry)
+        return ConfigEntry(fix={"quarantine": entries} if entries else {})
 
 
 def _served(named: Dict[str, Any], indices: Sequence[int]) -> Dict[str, Any]:

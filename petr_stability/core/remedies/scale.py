@@ -38,4 +38,6 @@ class ScaleDynamic(Remedy):
         return bool(value)
 
     def config_entry(self, io: Any) -> ConfigEntry:
-        return ConfigEntry(fix={"dynamic_loss_scale": True})
+        # Written as loss_scale='dynamic'; carried instead where the config holds no static scale to change.
+        return ConfigEntry(fix={"dynamic_loss_scale": True},
+                           fallback={"dynamic_loss_scale": {"scale_made_dynamic": True}})
