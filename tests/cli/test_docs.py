@@ -43,3 +43,43 @@ def test_every_package_file_the_docs_cite_exists_without_a_line_number():
                if not any(os.path.isfile(os.path.join(ROOT, p)) for p in (path, "petr_stability/" + path))]
     with_line = [(doc, n, path + line) for doc, n, path, line in cited if line]
     assert missing == [] and with_line == []
+
+
+def render(value):
+    """A setting's default as docs/configuration.md writes it: a tuple as a list, the rest as Python writes it."""
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def _settings_table():
+    section = _read("docs", "configuration.md").split("| argument | default |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        name = re.match(r"`([^`]+)`", cells[0]) if cells and cells[0].startswith("`") else None
+        if name and "hook only" not in cells[0]:  # a hook's own argument, not a setting of the guard
+            rows[name.group(1)] = cells[1].strip("`")
+    return rows
+
+
+def test_the_settings_table_is_every_setting_the_code_declares_with_its_default():
+    # Issue 34: a setting documented but refused (max_scale_fall), or one the code has and the docs lack, fails here.
+    from petr_stability.core.config import settings
+
+    rows = _settings_table()
+    declared = {s.name: s for s in settings()}
+    assert sorted(rows) == sorted(declared), (sorted(set(rows) - set(declared)), sorted(set(declared) - set(rows)))
+    wrong = {name: (rows[name], render(s.default)) for name, s in declared.items() if rows[name] != render(s.default)}
+    assert wrong == {}, wrong
+
+
+def test_readme_settings_and_defaults_are_the_codes():
+    # Every `name=value` the README gives for the hook, and each setting it names in backticks with a number.
+    from petr_stability.core.config import settings
+
+    declared = {s.name: s.default for s in settings()}
+    text = _read("README.md")
+    for name, value in re.findall(r"`(\w+)` \((\d+(?:\.\d+)?)\)", text):
+        assert name in declared, name
+        assert float(declared[name]) == float(value), (name, value, declared[name])
+    for name in re.findall(r"NanGuardHook\(([a-z_]+)=", text):
+        assert name in declared, name

@@ -104,6 +104,6 @@ def test_a_quarantined_sample_is_named_in_the_incidents_text(family, tmp_path):
     run = build(family, tmp_path, iters=24 if family != "mmcv1" else 20, logs=True)
     run.corrupt(bad)
     run.train()
-    assert list(run.guard.policy.skip) == [bad]
+    assert list(run.guard.remedy("quarantine").skip_list) == [bad]
     texts = [body for tag, _, body in run.read_logs().board.texts if tag == "nan_guard/incident"]
     assert texts and any(f"index={bad}" in body for body in texts), texts

@@ -228,7 +228,7 @@ def test_the_next_run_keeps_a_quarantined_sample_out_whatever_its_resampler_draw
     carried = run.guard.config_fix().quarantine
     assert len(carried) == 1 and carried[0]["inner_index"] == bad and "index" not in carried[0], carried
     ((rec, named),) = _named(tmp_path / "run1", "quarantined")
-    assert named[0]["identity"] == carried[0]  # the record says what the next run is given
+    assert rec["cause"]["signals"]["stored"] == carried  # the record says what the next run is given
     if family == "torch_loop":  # the loop's config has the hook entry
         text = (tmp_path / "run1" / "nan_guard_patched_config.py").read_text()
         assert f"inner_index={bad}" in text and "served_as" not in text

@@ -266,6 +266,17 @@ class Evidence:
         samples = self._rows()[1]
         return _tagged([samples[r] for r in isolation["rows"] if r < len(samples)], ISOLATED)
 
+    def _listed(self, named: List[Dict[str, Any]], fp16: bool) -> List[Dict[str, Any]]:
+        """The samples a skipped step's record lists: the batch in hand's suspects (its samples holding bad values,
+        where only some do, else all of it), unless evidence names only samples of earlier batches of its accumulation
+        window (then those: the batch in hand did not break the step)."""
+        in_hand = set(self.batches.indices or [])
+        earlier = [{k: v for k, v in s.items() if k != "evidence"} for s in named
+                   if s.get("index") is not None and int(s["index"]) not in in_hand]
+        if earlier and len(earlier) == len(named):
+            return earlier
+        return earlier + self.batches.suspects(fp16)
+
     def skipped(self, kind: str, fp16: bool) -> Dict[str, Any]:
         """A step that went wrong without diverging, on this rank: the samples its record lists (``listed``: the
         batch's, where it broke on this rank) and those evidence names (``named``); an ordinary fp16 overflow names
@@ -280,7 +291,7 @@ class Evidence:
         flagged = self.window_flagged() + _tagged(self.batches.flagged(fp16), OWN_VALUES)
         isolation = self.isolation() if not flagged and kind == "skip" else None
         named = flagged or self._isolated(isolation)
-        listed = [{k: v for k, v in x.items() if k != "evidence"} for x in named] or self.batches.suspects(fp16)
+        listed = self._listed(named, fp16)
         return {"listed": listed, "named": named, "isolation": isolation}
 
 

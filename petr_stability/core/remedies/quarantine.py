@@ -444,8 +444,10 @@ class Quarantine(Remedy):
         named = dict(sample, index=index)
         if wraps(dataset):
             named.update(describe(dataset, indices))
-        if dataset is not None:  # what the next run resolves through its own wrappers (another seed, another table)
-            named["identity"] = identity(dataset, index)
+        if dataset is not None and key not in self.identities:
+            # What the next run resolves through its own wrappers (another seed, another table): kept for the samples
+            # named bad, quarantined or refused.
+            self.identities[key] = identity(dataset, index)
         return key, indices, named
 
     def _indices_of(self, key: str) -> List[int]:
@@ -466,7 +468,7 @@ class Quarantine(Remedy):
                                     "problem, not a bug", signals={"bad_data": self.bad_samples(found)})
         before = self.skip_list.samples
         taken, refused = self._take_all(found, {"iteration": ctx.iteration})
-        signals: Dict[str, Any] = {"quarantined": taken} if taken else {}
+        signals: Dict[str, Any] = {"quarantined": taken, "stored": self._stored(found, taken)} if taken else {}
         evidence = ""
         if refused:
             signals["refused"] = refused
@@ -485,13 +487,18 @@ class Quarantine(Remedy):
             if fits and skip.add(indices, dict(meta, sample=key), sample=key):
                 taken.append(named)
                 self.refused_samples.pop(key, None)
-                if named.get("identity"):
-                    self.identities[key] = dict(named["identity"])
             else:
                 refused.append(named)
                 self.refused_samples[key] = _served(named, indices)
         self._sync()
         return taken, refused
+
+    def _stored(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]],
+                taken: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """For each sample of ``taken`` (in order), the identity stored for the next run (:attr:`identities`)."""
+        by_named = [(named, key) for key, _, named in found]
+        return [dict(self.identities.get(next((k for n, k in by_named if n is s), ""), {"index": s.get("index")}))
+                for s in taken]
 
     def spent(self, dataset: Any, ids: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
         """The recovery budget is spent on bad data: the samples of ``ids`` not quarantined are remembered as refused
@@ -504,6 +511,9 @@ class Quarantine(Remedy):
 
     def bad_samples(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]] = ()) -> List[Dict[str, Any]]:
         """Every bad sample this run found, as records name them: quarantined, refused, and ``found``."""
+        return list(self._bad(found).values())
+
+    def _bad(self, found: Sequence[Tuple[str, List[int], Dict[str, Any]]] = ()) -> Dict[str, Dict[str, Any]]:
         out: Dict[str, Dict[str, Any]] = {}
         if self.skip_list is not None:
             for key, indices in self.skip_list.by_sample().items():
@@ -512,11 +522,9 @@ class Quarantine(Remedy):
                     {"index": indices[0]}
                 if first.get("from"):
                     out[key]["from"] = first["from"]
-                if key in self.identities:
-                    out[key]["identity"] = dict(self.identities[key])
         out.update({k: dict(v) for k, v in self.refused_samples.items()})
         out.update({k: _served(named, indices) for k, indices, named in found})
-        return list(out.values())
+        return out
 
     def _unnamed(self, ids: Sequence[Mapping[str, Any]]) -> str:
         if ids:
@@ -573,7 +581,8 @@ class Quarantine(Remedy):
         ctx.io.log(f"NanGuard: sample(s) {short_samples(taken + refused)} {reason}"
                    + ("; quarantined for the rest of the run" if taken else ""), "warning")
         changes = (Change("quarantine.samples", before, self.skip_list.samples),) if taken else ()
-        signals: Dict[str, Any] = {"recurring": taken + refused, "reason": reason, "quarantined": taken}
+        signals: Dict[str, Any] = {"recurring": taken + refused, "reason": reason, "quarantined": taken,
+                                   "stored": self._stored(chosen, taken)}
         if refused:
             signals["refused"] = refused
         return Outcome(changes, f"; {short_samples(taken + refused)} {reason}", signals)
@@ -605,8 +614,8 @@ class Quarantine(Remedy):
         """Every bad sample, quarantined or refused, by what it is (its identity, resolved by the next run through its
         own wrappers), or by its index where nothing more is known of it."""
         entries: List[Any] = []
-        for sample in self.bad_samples():
-            who = sample.get("identity") or ({"index": sample["index"]} if "index" in sample else None)
+        for key, sample in self._bad().items():
+            who = self.identities.get(key) or ({"index": sample["index"]} if "index" in sample else None)
             if who is None:
                 continue
             entry = int(who["index"]) if set(who) == {"index"} else dict(who)
