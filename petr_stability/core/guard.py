@@ -30,7 +30,7 @@ from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
 from .watch.health import nonfinite_attributes, state_finite
 from .watch.spikes import GradNormMonitor
 
-__all__ = ["NanGuard"]
+__all__ = ["NanGuard", "skip_kind", "publish"]
 
 
 class _Step(NamedTuple):
@@ -47,11 +47,12 @@ class _Step(NamedTuple):
 
 
 def _snapshot_ahead(points: RestorePoints, iteration: int, epoch: int, generation: int,
-                    tags: Dict[str, Any]) -> Snapshot:
-    """The snapshot of a step whose verdict is still being agreed, taken now (the state moves on). It reuses
-    the buffers of the ring's next evictable snapshot, which leaves the ring now on every rank alike, and it enters the
-    ring once the step's agreed verdict is healthy (a state of a path that diverged never does)."""
-    snap = points.take(iteration, epoch, recycle=True, generation=generation, tags=tags)
+                    tags: Dict[str, Any], at_trouble: bool = False) -> Snapshot:
+    """The snapshot of a step whose verdict is still being agreed (or where trouble starts), taken now (the state moves
+    on). It reuses the buffers of the ring's next evictable snapshot, which leaves the ring now on every rank alike (no
+    more host memory), and it enters the ring once the step's agreed verdict allows (a state of a path that diverged
+    never does)."""
+    snap = points.take(iteration, epoch, recycle=True, generation=generation, tags=tags, at_trouble=at_trouble)
     points.ring.add(snap)  # evicts the snapshot whose buffers it reused, as every add does...
     points.ring.snapshots.remove(snap)  # ...and waits outside the ring for its verdict
     return snap
@@ -192,11 +193,15 @@ class NanGuard:
                                             or iteration % self.config.snapshot_interval == 0)
         self._check(signals, snapshot_due)
         step = _Step(signals, self.detector.observe(signals), reading, snapshot_due, epoch)
+        if step.decision.streak_start and signals.weights_finite is True:
+            # Trouble starts: the first skipped step of a streak left the last applied step's weights, checked finite.
+            step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
+                                                          self.policy.tags(), at_trouble=True))
         decision, rolled_back = self._act_on_pending(True) if self.agreement.pending else (step.decision, False)
         if rolled_back:
             pass  # this iteration belongs to the abandoned path: its verdict is never sent
         elif self.agreement.defers() and len(self.points.ring) > 0 and not self.io.verdict_due_now():
-            if snapshot_due:
+            if snapshot_due and step.snapshot is None:
                 step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
                                                               self.policy.tags()))
             self.agreement.submit(step.decision.verdict, step)
@@ -215,6 +220,8 @@ class NanGuard:
             if reading.stepped:
                 self._on_healthy(reading.grad_norm, signals.iteration, step.snapshot_due, step.snapshot)
         elif agreed == Verdict.OVERFLOW:
+            if step.snapshot is not None and step.snapshot.at_trouble:
+                self.points.ring.add(step.snapshot)  # where the trouble started: bad data's restore point
             self._run(self._incident(Entry.SKIP, signals, decision, inside, step.epoch, skip_kind(signals)))
         elif agreed == Verdict.STALLED:
             self._run(self._incident(Entry.STALL, signals, decision, inside, step.epoch))
@@ -350,18 +357,22 @@ class NanGuard:
         return records
 
     def _publish(self, loss_scale: Optional[float] = None) -> None:
-        scalars: Dict[str, float] = {
-            "nan_guard/incidents": float(self.recoveries + self.stalls),
-            "nan_guard/skipped_steps": float(self.skipped_steps),
-        }
-        # Finite values only: the observing clip's inf is no bound, and a dashboard's JSON has no Infinity.
-        norms = [clip.max_norm for clip in self.io.clip_settings() if clip.kind == "norm"]
-        if norms and math.isfinite(min(norms)):
-            scalars["nan_guard/max_norm"] = min(norms)
-        if loss_scale is not None and math.isfinite(loss_scale):  # fp16 only: fp32 has no loss scale
-            scalars["nan_guard/loss_scale"] = loss_scale
-        lost = self.chain.iterations_lost
-        self.io.update_scalars(scalars, lost)
-        for record in self.incidents.take_unshown():  # at the iterations run when it happened
-            step = record["iteration"] + lost - int(record.get("iterations_lost") or 0)
-            self.io.add_text("nan_guard/incident", self.incidents.describe(record), step)
+        publish(self.io, self.incidents, self.recoveries + self.stalls, self.skipped_steps,
+                self.chain.iterations_lost, loss_scale)
+
+
+def publish(io: GuardIO, incidents: IncidentLog, count: int, skipped: int, lost: int,
+            loss_scale: Optional[float]) -> None:
+    """The guard's scalars (each its latest value, at the iterations run: the runner's counter plus ``lost``) and
+    each new incident as a text event at the iteration it happened."""
+    scalars: Dict[str, float] = {"nan_guard/incidents": float(count), "nan_guard/skipped_steps": float(skipped)}
+    # Finite values only: the observing clip's inf is no bound, and a dashboard's JSON has no Infinity.
+    norms = [clip.max_norm for clip in io.clip_settings() if clip.kind == "norm"]
+    if norms and math.isfinite(min(norms)):
+        scalars["nan_guard/max_norm"] = min(norms)
+    if loss_scale is not None and math.isfinite(loss_scale):  # fp16 only: fp32 has no loss scale
+        scalars["nan_guard/loss_scale"] = loss_scale
+    io.update_scalars(scalars, lost)
+    for record in incidents.take_unshown():  # at the iterations run when it happened
+        step = record["iteration"] + lost - int(record.get("iterations_lost") or 0)
+        io.add_text("nan_guard/incident", incidents.describe(record), step)

@@ -278,3 +278,19 @@ def test_snapshot_copies_are_waited_for_only_when_a_rollback_reads_them(tmp_path
     assert io.restores == [10]
     waited = [e for e in events if e.waited_before_restores is not None]
     assert len(waited) == 1 and waited[0].waited_before_restores == 0  # the restored one, before the restore
+
+
+def test_the_first_skip_of_a_streak_keeps_where_the_trouble_started_and_bad_data_returns_there(tmp_path):
+    # Issue 35: a restore point where the trouble starts. The first skipped step of a streak (after an applied step)
+    # leaves the last applied step's weights: kept, in the ring's memory, as the restore point for a class whose state
+    # was fine (bad data, a forward overflow). The dynamics ladder never takes it while unconfirmed.
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io, snapshot_interval=20, confirm_steps=5, check_interval=50)
+    run(io, guard, 33)
+    kept = [s for s in guard.points.ring.snapshots if s.at_trouble]
+    assert kept == []
+    run(io, guard, 34, faults={33: "grad"})  # iteration 34 skips: the streak starts there
+    (trouble,) = [s for s in guard.points.ring.snapshots if s.at_trouble]
+    assert trouble.iteration == 34 and len(guard.points.ring) <= guard.config.keep_snapshots  # no more memory
+    assert guard.points.next(40, set(), trouble_first=True).iteration == 34
+    assert guard.points.next(40, set(), trouble_first=False).iteration == 20  # confirmed, the ladder's

@@ -488,7 +488,8 @@ class IncidentChain:
         # Bad data leaves the restore point it rolls back to as healthy as it was: the next data incident may use it
         # again (a burst of bad batches rolls back to the same point, batch by batch). Other causes spend it.
         spent = set(self.tried) if inc.cls.cause == Cause.DATA else self.tried
-        payload = self.points.next(inc.iteration, spent)
+        payload = self.points.next(inc.iteration, spent,
+                                   trouble_first=inc.cls.cause in (Cause.DATA, Cause.FORWARD_OVERFLOW))
         if payload is None:
             tried = ", ".join(sorted(self.tried)) or "none existed"
             inc.stop = (NoHealthyStateError, f"no healthy state of this run is left to roll back to (tried: {tried}; "

@@ -24,6 +24,7 @@ __all__ = ["RESTORE_ORDER", "RestorePoints", "checkpoint_finite", "check_checkpo
 #: Where a rollback looks, in this order; each point is tried at most once per incident chain (until a state
 #: taken after the latest recovery is confirmed). docs/how-it-works.md, "Restore points", says why.
 RESTORE_ORDER = (
+    "for bad data and a forward overflow only: the snapshot taken where the trouble started",
     "confirmed snapshots, newest first",
     "unconfirmed snapshots of this run, newest first",
     "the state the run started from (before its first step, or right after resume)",
@@ -87,7 +88,7 @@ class RestorePoints:
 
     # ------------------------------------------------------------------ taking states
     def take(self, iteration: int, epoch: int, recycle: bool, generation: int,
-             tags: Optional[Dict[str, Any]] = None) -> Snapshot:
+             tags: Optional[Dict[str, Any]] = None, at_trouble: bool = False) -> Snapshot:
         """A host copy of the live state. Pinned host memory and asynchronous copies where the model lives on a
         GPU, with an event marking their end: no host wait here (the copies are queued on the current stream ahead
         of anything that writes the state again; docs/gpu.md says why not a side stream); the host waits only when
@@ -100,7 +101,8 @@ class RestorePoints:
             pin = device is not None and device.type == "cuda"
             payload = copy_to_host(self.io.capture(), reuse=self.ring.recyclable() if recycle else None, pin=pin)
         return Snapshot(iteration, epoch, payload, nbytes=nbytes(payload), copied=copies_done(pin, device),
-                        generation=generation, tags=MappingProxyType(dict(tags or {})))
+                        generation=generation, tags=MappingProxyType(dict(tags or {})),
+                        at_trouble=at_trouble)
 
     def healthy(self) -> Optional[Snapshot]:
         """The newest state known healthy: the newest confirmed snapshot, else the start state."""
@@ -120,11 +122,17 @@ class RestorePoints:
         self.ring.snapshots = [s for s in self.ring.snapshots if s.iteration <= iteration]
 
     # ------------------------------------------------------------------ offering them
-    def _points(self, now: int, tried: Set[str]) -> Iterator[_Point]:
+    def _points(self, now: int, tried: Set[str], trouble_first: bool = False) -> Iterator[_Point]:
         ring = self.ring
         confirmed = [s for s in reversed(ring.snapshots) if ring.is_confirmed(s)]
         pending = [s for s in reversed(ring.snapshots) if not ring.is_confirmed(s)]
-        for kind, snaps in (("memory", confirmed), ("memory (unconfirmed)", pending)):
+        # Where the trouble started, first: for a class whose state was fine (bad data, a forward overflow) it is the
+        # closest healthy state. For the others an unconfirmed one is no restore point at all.
+        trouble = [s for s in pending if s.at_trouble]
+        pending = [s for s in pending if not s.at_trouble]
+        groups = ((("memory (where the trouble started)", trouble),) if trouble_first else ()) + (
+            ("memory", confirmed), ("memory (unconfirmed)", pending))
+        for kind, snaps in groups:
             for snap in snaps:
                 yield _Point(f"snapshot of iter {snap.iteration} (path {snap.generation})", kind, snap.iteration,
                              lambda snap=snap: self.payload(snap))
@@ -137,8 +145,10 @@ class RestorePoints:
         """How the start state is named in an incident chain's ``tried`` set."""
         return f"start state (iter {self.start.iteration})" if self.start is not None else ""
 
-    def next(self, now: int, tried: Set[str]) -> Optional[Payload]:
-        """The first point in :data:`RESTORE_ORDER` not in ``tried`` (which it extends); None when all are spent.
+    def next(self, now: int, tried: Set[str], trouble_first: bool = False) -> Optional[Payload]:
+        """The first point in :data:`RESTORE_ORDER` not in ``tried`` (which it extends); None when all are spent. With
+        ``trouble_first`` (a class whose state was fine: bad data, a forward overflow), the unconfirmed snapshots taken
+        where the trouble started come first; otherwise they are not offered.
 
         When every point is spent but the run trained on from its start state for more than one iteration (on data
         that moved on), the start state cannot be what diverged: it is the last healthy state of this run and is
@@ -146,19 +156,19 @@ class RestorePoints:
         a restore are all loss-scale calibration (no snapshot can be confirmed) needs this. Every rank must call it
         at the same point (reading a checkpoint is a collective).
         """
-        payload = self._first_untried(now, tried)
+        payload = self._first_untried(now, tried, trouble_first)
         if payload is None and self.start is not None and now - self.start.iteration > 1:
             tried.discard(self.start_key())
-            payload = self._first_untried(now, tried)
+            payload = self._first_untried(now, tried, trouble_first)
         return payload
 
-    def _first_untried(self, now: int, tried: Set[str]) -> Optional[Payload]:
-        for point in self._points(now, tried):
+    def _first_untried(self, now: int, tried: Set[str], trouble_first: bool) -> Optional[Payload]:
+        for point in self._points(now, tried, trouble_first):
             if point.key in tried:
                 continue
             if point.kind != "checkpoint":
                 tried.add(point.key)
-                if point.kind != "memory":
+                if point.kind not in ("memory", "memory (where the trouble started)"):
                     self.io.log(f"NanGuard: no confirmed snapshot is left; using {point.kind} state of iter "
                                 f"{point.iteration}", "warning")
             payload = point.read()

@@ -130,6 +130,10 @@ class Snapshot:
         generation: the guard's recovery count when it was taken (a confirmed snapshot of the current generation
             means the latest recovery held).
         tags: what the remedies recorded with it (:attr:`~..port.Payload.tags`).
+        at_trouble: taken where the detector first saw trouble (the first skipped step of a streak: the weights of
+            the last applied step), not by the snapshot clock: the restore point for bad data and a forward overflow
+            (the state was fine, the batch or a module's fp16 range was not), never for the dynamics ladder while
+            unconfirmed (a state at the edge of a divergence is no state to return to there).
     """
 
     iteration: int
@@ -140,6 +144,7 @@ class Snapshot:
     copied: Any = field(default=None, repr=False)
     generation: int = 0
     tags: Mapping[str, Any] = field(default_factory=dict)
+    at_trouble: bool = False
 
     def ready_payload(self) -> Dict[str, Any]:
         """The payload, after its asynchronous copies (if any) have landed; the only way the host should read it.
