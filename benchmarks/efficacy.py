@@ -1,0 +1,129 @@
+"""Does a guarded run end where a stable one would? The demo's scenarios over seeds and CPU kernel sets (issue 35).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/efficacy.py [--seeds 0 1 2 3 4] [--kernels native default]
+        [--scenarios dynamics data_burst] [--json out.json]
+
+For each scenario, seed and kernel set (``native``: this CPU's best kernels; ``default``: torch's portable ones,
+``ATEN_CPU_CAPABILITY=default``, what another CPU computes), the demo's real MMEngine runs (petr_stability.demo.run):
+``guarded`` (the guard on), ``reference`` (dynamics: the stable learning rate, no guard), ``known_fix`` (the known
+manual fix (transformer dropout 0, max_norm 1) from the start, no guard), ``unguarded``. Each kernel set runs in a
+process of its own (the kernels are chosen as torch starts). Printed per scenario and kernel set: the held-out loss's
+median and max over the seeds for each run (NaN where a run was lost), how many were lost, the guard's iterations
+lost per incident, and the wall time; then guarded / reference (median, and the worst guarded against the
+reference's own spread). Ratios are measured in one invocation, on this machine.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Dict, List, Optional
+
+__all__ = ["main", "one_kernel_set", "summarize"]
+
+RUNS = ("guarded", "reference", "known_fix", "unguarded")
+
+
+def one_kernel_set(scenarios: List[str], seeds: List[int]) -> List[Dict[str, Any]]:
+    """Every (scenario, seed, run) in this process's kernels: one row each."""
+    import dataclasses
+
+    from petr_stability.demo import run as demo
+
+    warnings.simplefilter("ignore")
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for scenario in scenarios:
+            for seed in seeds:
+                base = demo.settings_for(scenario)
+                runs = tuple(r for r in RUNS if r in demo.RUNS and (r != "reference" or scenario == "dynamics"))
+                s = dataclasses.replace(base, seed=seed, runs=runs)
+                train, heldout = demo._make_data(s)
+                for key in s.runs:
+                    t0 = time.perf_counter()
+                    r = demo._run_one(key, root, s, train, heldout, echo=False)
+                    rows.append({"scenario": scenario, "seed": seed, "run": key, "lost": r.lost,
+                                 "eval_loss": r.eval_loss, "incidents": r.incidents,
+                                 "iters_lost_per_incident": list(r.iters_lost_per_incident),
+                                 "wall_s": round(time.perf_counter() - t0, 2)})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def _median(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per (kernels, scenario): each run's held-out loss over the seeds, losses, iterations lost per incident, wall
+    time; guarded against reference."""
+    out: Dict[str, Any] = {}
+    for kernels in sorted({r["kernels"] for r in rows}):
+        for scenario in sorted({r["scenario"] for r in rows}):
+            mine = [r for r in rows if r["kernels"] == kernels and r["scenario"] == scenario]
+            part: Dict[str, Any] = {}
+            for run in RUNS:
+                these = [r for r in mine if r["run"] == run]
+                if not these:
+                    continue
+                finite = [r["eval_loss"] for r in these if r["eval_loss"] is not None and not r["lost"]]
+                part[run] = {"seeds": len(these), "lost": sum(r["lost"] for r in these),
+                             "median": _median(finite), "max": max(finite) if finite else None,
+                             "min": min(finite) if finite else None,
+                             "iters_lost_per_incident": [i for r in these for i in r["iters_lost_per_incident"]],
+                             "wall_s": round(sum(r["wall_s"] for r in these), 1)}
+            g, ref = part.get("guarded"), part.get("reference")
+            if g and ref and g["median"] and ref["median"]:
+                part["guarded_vs_reference_median"] = g["median"] / ref["median"]
+                part["guarded_worst_within_reference_spread"] = g["max"] is not None and g["max"] <= ref["max"]
+            out[f"{kernels}/{scenario}"] = part
+    return out
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "NaN" if x is None else f"{x:.3f}"
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--kernels", nargs="+", default=["native", "default"], choices=["native", "default"])
+    p.add_argument("--scenarios", nargs="+", default=["dynamics", "data_burst"], choices=["dynamics", "data_burst"])
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: this kernel set, rows on stdout
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(one_kernel_set(a.scenarios, a.seeds)))
+        return
+    rows: List[Dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for kernels in a.kernels:
+        env = dict(os.environ)
+        if kernels == "default":
+            env["ATEN_CPU_CAPABILITY"] = "default"
+        cmd = [sys.executable, __file__, "--one", "--seeds", *map(str, a.seeds), "--scenarios", *a.scenarios]
+        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+        rows += [dict(r, kernels=kernels) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+    summary = summarize(rows)
+    for key, part in summary.items():
+        print(f"{key}:")
+        for run in RUNS:
+            if run in part:
+                r = part[run]
+                print(f"  {run:<10} median {_fmt(r['median'])} max {_fmt(r['max'])} lost {r['lost']}/{r['seeds']} "
+                      f"iters lost per incident {r['iters_lost_per_incident'] or '-'} wall {r['wall_s']}s")
+        if "guarded_vs_reference_median" in part:
+            print(f"  guarded / reference (medians): {part['guarded_vs_reference_median']:.3f}; guarded worst within "
+                  f"the reference's spread: {part['guarded_worst_within_reference_spread']}")
+    print(f"total wall {time.perf_counter() - t0:.0f}s")
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump({"rows": rows, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
