@@ -93,9 +93,12 @@ def _incident_run(tmp_path, kind):
 
 def test_a_data_incident_writes_the_quarantine_and_nothing_else(tmp_path):
     before, after, text, rec = _incident_run(tmp_path, "data")
-    indices = sorted(s["index"] for s in rec["cause"]["signals"]["quarantined"])
-    assert _diff(before, after) == {"custom_hooks[0].quarantine[0]": ("<absent>", indices[0]),
-                                    "custom_hooks[0].quarantine[1]": ("<absent>", indices[1])}
+    # Each quarantined sample by what it is (its dataset and its index there), as the record says it was stored.
+    stored = rec["cause"]["signals"]["stored"]
+    assert [s["inner_index"] for s in stored] == [s["index"] for s in rec["cause"]["signals"]["quarantined"]]
+    assert _diff(before, after) == {f"custom_hooks[0].quarantine[{i}].{k}": ("<absent>", v)
+                                    for i, s in enumerate(stored) for k, v in s.items()}
+    assert len(stored) == 2 and all(s == {"dataset": "ListDataset", "inner_index": s["inner_index"]} for s in stored)
     assert "2 sample(s) quarantined" in text and "max_norm" not in text.split("\n_base_")[0]
 
 
@@ -110,5 +113,13 @@ def test_a_dynamics_incident_writes_the_known_manual_fix_as_applied(tmp_path):
     before, after, text, rec = _incident_run(tmp_path, "dynamics")
     changed = _diff(before, after)
     assert changed.pop("optim_wrapper.clip_grad.max_norm") == (35, 1)
+    # Every drop probability zeroed in the model, by module and attribute, rides in the hook entry too (a transformer
+    # built in code, as torch's attention is, has no config key for it).
+    from petr_stability.core.remedies.dropout import DROPOUT_FLOAT_ATTRS
+
+    carried = {k: changed.pop(k) for k in list(changed) if k.startswith("custom_hooks[0].carry.dropout.zeroed[")}
+    assert carried and all(old == "<absent>" and new.rpartition(".")[2] in ("p",) + DROPOUT_FLOAT_ATTRS
+                           for old, new in carried.values())
+    assert any(new.endswith("attn.dropout") for _, new in carried.values())
     assert changed and all(new == 0 and old > 0 and "dropout" in path for path, (old, new) in changed.items())
     assert "the known manual fix (transformer dropout 0, max_norm 1)" in text

@@ -283,22 +283,10 @@ class MMCV1IO(GuardIO):
             state = self._state_of_resumed()
         return state
 
-    def _resumed_from(self) -> List[str]:
-        # The config's resume_from (mmdet / mmdet3d 0.x tools/train.py keep cfg.pretty_text in runner.meta): a
-        # checkpoint of another run's directory, which checkpoint_files() does not list.
-        config = self.run_config()
-        if config is None:
-            return []
-        try:
-            path = load_config_text(config.config, base_dir=self.work_dir).get("resume_from")
-        except Exception:  # a config text that cannot be read again names no file
-            return []
-        return [path] if isinstance(path, str) and os.path.isfile(path) else []
-
     def _state_of_resumed(self) -> Optional[Dict[str, Any]]:
         # IterBasedRunner.resume keeps its own runner.meta: find the checkpoint it resumed from by its counters.
         runner = self.runner
-        for path in self._resumed_from() + self.checkpoint_files():
+        for path in _resumed_from(self.run_config(), self.work_dir) + self.checkpoint_files():
             try:
                 meta = safe_load(path, extra_globals=()).get("meta", {})
             except Exception:  # a foreign or truncated file is simply not the one
@@ -380,3 +368,15 @@ def _given_loader(runner: Any) -> Any:
             return loaders[flows.index("train")] if "train" in flows and len(loaders) == len(flows) else None
         frame = frame.f_back
     return None
+
+
+def _resumed_from(config: Optional[RunConfig], work_dir: str) -> List[str]:
+    """The config's resume_from (mmdet / mmdet3d 0.x tools/train.py keep cfg.pretty_text in runner.meta): a checkpoint
+    of another run's directory, which checkpoint_files() does not list."""
+    if config is None:
+        return []
+    try:
+        path = load_config_text(config.config, base_dir=work_dir).get("resume_from")
+    except Exception:  # a config text that cannot be read again names no file
+        return []
+    return [path] if isinstance(path, str) and os.path.isfile(path) else []

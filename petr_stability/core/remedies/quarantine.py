@@ -422,33 +422,12 @@ class Quarantine(Remedy):
         return out
 
     def _identify(self, dataset: Any, sample: Dict[str, Any]) -> Optional[Tuple[str, List[int], Dict[str, Any]]]:
-        index = sample.get("index")
-        ids = {k: sample[k] for k in ("token", "sample_idx") if sample.get(k) is not None}
-        if index is None:
-            indices = resolve_indices(dataset, [sample]) if ids else []
-            if not indices:
-                return None
-            index = indices[0]
-        index = int(index)
-        try:
-            where = sample_of(dataset, index) if dataset is not None else None
-        except Exception:  # noqa: BLE001 (naming is evidence only: an index a wrapper cannot map names itself)
-            where = None
-        if where is not None and where.known and wraps(dataset):
-            key, indices = f"sample:{where.key}", indices_serving(dataset, index)
-        elif ids:  # past a wrapper of the user's own: the ids the data carries say which sample it is
-            key = "ids:" + ",".join(f"{k}={v}" for k, v in sorted(ids.items()))
-            indices = sorted({index} | set(resolve_indices(dataset, [ids])) | set(self._indices_of(key)))
-        else:
-            key, indices = f"index:{index}", [index]
-        named = dict(sample, index=index)
-        if wraps(dataset):
-            named.update(describe(dataset, indices))
-        if dataset is not None and key not in self.identities:
+        found = _name_sample(dataset, sample, self._indices_of)
+        if found is not None and dataset is not None and found[0] not in self.identities:
             # What the next run resolves through its own wrappers (another seed, another table): kept for the samples
             # named bad, quarantined or refused.
-            self.identities[key] = identity(dataset, index)
-        return key, indices, named
+            self.identities[found[0]] = identity(dataset, found[2]["index"])
+        return found
 
     def _indices_of(self, key: str) -> List[int]:
         known = self.refused_samples.get(key, {}).get("served_as", [])
@@ -622,6 +601,35 @@ class Quarantine(Remedy):
             if entry not in entries:
                 entries.append(entry)
         return ConfigEntry(fix={"quarantine": entries} if entries else {})
+
+
+def _name_sample(dataset: Any, sample: Dict[str, Any], known: Callable[[str], List[int]]
+                 ) -> Optional[Tuple[str, List[int], Dict[str, Any]]]:
+    """(sample key, every dataset index serving it, how the record names it) for one sample a record names; ``known``
+    gives the indices already seen serving a key (a sample known by its ids alone)."""
+    index = sample.get("index")
+    ids = {k: sample[k] for k in ("token", "sample_idx") if sample.get(k) is not None}
+    if index is None:
+        indices = resolve_indices(dataset, [sample]) if ids else []
+        if not indices:
+            return None
+        index = indices[0]
+    index = int(index)
+    try:
+        where = sample_of(dataset, index) if dataset is not None else None
+    except Exception:  # noqa: BLE001 (naming is evidence only: an index a wrapper cannot map names itself)
+        where = None
+    if where is not None and where.known and wraps(dataset):
+        key, indices = f"sample:{where.key}", indices_serving(dataset, index)
+    elif ids:  # past a wrapper of the user's own: the ids the data carries say which sample it is
+        key = "ids:" + ",".join(f"{k}={v}" for k, v in sorted(ids.items()))
+        indices = sorted({index} | set(resolve_indices(dataset, [ids])) | set(known(key)))
+    else:
+        key, indices = f"index:{index}", [index]
+    named = dict(sample, index=index)
+    if wraps(dataset):
+        named.update(describe(dataset, indices))
+    return key, indices, named
 
 
 def _served(named: Dict[str, Any], indices: Sequence[int]) -> Dict[str, Any]:
