@@ -3,7 +3,7 @@ config dict: each setting where the config's runner family keeps it."""
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from .keys import config_family, fp16_loss_scales, is_number, optim_wrappers, plain
 
@@ -285,17 +285,7 @@ def _guard_hooks(cfg: Dict[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
 def _set_hook_list(cfg: Dict[str, Any], key: str, values: List[Any], changes: List[ConfigChange],
                    notes: List[str]) -> None:
     """``NanGuardHook(<key>=[...])`` in ``custom_hooks``: the values joined to the entry's own (:func:`_merged`)."""
-    hooks = _guard_hooks(cfg)
-    if not hooks:
-        notes.append(f"custom_hooks has no {GUARD_HOOK} entry (the hook was added in code?): {key}={values!r} not "
-                     "written; pass it to the hook yourself")
-        return
-    for path, hook in hooks:
-        old = hook.get(key)
-        new = _merged(list(old or []), values)
-        if old is None or list(old) != new:
-            hook[key] = new
-            changes.append(ConfigChange(f"{path}.{key}", copy.deepcopy(old), list(new)))
+    _set_hook_value(cfg, key, values, lambda old: _merged(list(old or []), values), changes, notes)
 
 
 def _merged(old: List[Any], new: List[Any]) -> List[Any]:
@@ -312,17 +302,25 @@ def _merged(old: List[Any], new: List[Any]) -> List[Any]:
 def _set_hook_carry(cfg: Dict[str, Any], carry: Mapping[str, Dict[str, Any]], changes: List[ConfigChange],
                     notes: List[str]) -> None:
     """``NanGuardHook(carry={remedy: state})``: each remedy's entry replaces the one the config had for it."""
+    _set_hook_value(cfg, "carry", dict(carry), lambda old: dict(old or {}, **copy.deepcopy(dict(carry))), changes,
+                    notes)
+
+
+def _set_hook_value(cfg: Dict[str, Any], key: str, value: Any, combine: Callable[[Any], Any],
+                    changes: List[ConfigChange], notes: List[str]) -> None:
+    """``NanGuardHook(<key>=combine(its value))`` on every guard entry of ``custom_hooks``, a change where it differs;
+    a note where the config has no such entry."""
     hooks = _guard_hooks(cfg)
     if not hooks:
-        notes.append(f"custom_hooks has no {GUARD_HOOK} entry (the hook was added in code?): carry={dict(carry)!r} "
-                     "not written; pass it to the hook yourself")
+        notes.append(f"custom_hooks has no {GUARD_HOOK} entry (the hook was added in code?): {key}={value!r} not "
+                     "written; pass it to the hook yourself")
         return
     for path, hook in hooks:
-        old = hook.get("carry")
-        new = dict(old or {}, **{k: copy.deepcopy(v) for k, v in carry.items()})
-        if old != new:
-            hook["carry"] = new
-            changes.append(ConfigChange(f"{path}.carry", copy.deepcopy(old), copy.deepcopy(new)))
+        old = hook.get(key)
+        new = combine(old)
+        if old is None or (list(old) if isinstance(old, tuple) else old) != new:
+            hook[key] = new
+            changes.append(ConfigChange(f"{path}.{key}", copy.deepcopy(old), copy.deepcopy(new)))
 
 
 # ---------------------------------------------------------------------------------------------- fp32 modules
