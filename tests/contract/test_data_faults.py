@@ -142,18 +142,24 @@ def test_refused_samples_that_break_again_stop_with_a_data_error_naming_every_ba
         assert "quarantine=[" in text and all(f"inner_index={i}," in text for i in bad)
 
 
+def _bad_mid_pass(run, outer):
+    """Each leaf sample's outer indices, the iterations of one pass, and a sample first drawn near the middle of the
+    first pass and drawn again later in it (the one to corrupt)."""
+    copies = {}
+    for i in range(len(outer)):
+        copies.setdefault(sample_of(outer, i).index, []).append(i)
+    n = per_epoch(run, outer)
+    bad = next(s for s, where in sorted(copies.items(), key=lambda kv: kv[1][0])
+               if len(where) >= 3 and where[0] >= (n // 4) * run.batch_size)
+    return copies, n, bad
+
+
 @pytest.mark.parametrize("family", NAMES)
 @pytest.mark.parametrize("wrapper", ["cbgs", "repeat"])
 def test_one_bad_sample_inside_a_resampling_wrapper_is_quarantined_under_every_index(family, wrapper, tmp_path):
     wrap = {"cbgs": lambda d: CBGSLike(d, copies=3), "repeat": lambda d: RepeatLike(d, 3)}[wrapper]
     run, leaf, outer = build(family, tmp_path, iters=0, guard=dict(quarantine_fraction=0.1), wrap=wrap)
-    copies = {}
-    for i in range(len(outer)):
-        copies.setdefault(sample_of(outer, i).index, []).append(i)
-    n = per_epoch(run, outer)
-    # A sample first drawn near the middle of the first pass and drawn again later in it.
-    bad = next(s for s, where in sorted(copies.items(), key=lambda kv: kv[1][0])
-               if len(where) >= 3 and where[0] >= (n // 4) * run.batch_size)
+    copies, n, bad = _bad_mid_pass(run, outer)
     _set_iters(run, n + 2)
     run.corrupt(bad)
     run.train()
@@ -216,12 +222,7 @@ def test_the_next_run_keeps_a_quarantined_sample_out_whatever_its_resampler_draw
     # good samples, while the corrupt one came back under its new indices and broke the run again).
     wrap = lambda seed: lambda d: CBGSLike(d, copies=3, seed=seed)  # noqa: E731
     run, leaf, outer = build(family, tmp_path / "run1", iters=0, guard=dict(quarantine_fraction=0.1), wrap=wrap(0))
-    copies = {}
-    for i in range(len(outer)):
-        copies.setdefault(sample_of(outer, i).index, []).append(i)
-    n = per_epoch(run, outer)
-    bad = next(s for s, where in sorted(copies.items(), key=lambda kv: kv[1][0])
-               if len(where) >= 3 and where[0] >= (n // 4) * run.batch_size)
+    copies, n, bad = _bad_mid_pass(run, outer)
     _set_iters(run, n + 2)
     run.corrupt(bad)
     run.train()
