@@ -144,8 +144,8 @@ def test_petrv2_through_cbgs_the_next_run_keeps_the_quarantined_sample_out(petr_
     e1(run1.error is None, f"the run raised {run1.error}")
     e1(_quarantined(run1) == bad["outer"], f"quarantined {_quarantined(run1)}, CBGS serves it under {bad['outer']}")
     records1 = run1.incidents()
-    identities = [s.get("identity") for x in records1
-                  for s in ((x.get("cause") or {}).get("signals") or {}).get("quarantined", [])]
+    # cause.signals.stored: for each quarantined sample, the identity kept for the next run (the patched config's).
+    identities = [i for x in records1 for i in ((x.get("cause") or {}).get("signals") or {}).get("stored", [])]
     e1(any(isinstance(i, dict) and i.get("inner_index") == bad["index"] and i.get("token") == bad["token"]
            for i in identities), f"no record names inner index {bad['index']} and token {bad['token']}: {identities}")
     fetched1 = _fetches(run1, size)
@@ -157,7 +157,7 @@ def test_petrv2_through_cbgs_the_next_run_keeps_the_quarantined_sample_out(petr_
 
     entry = next(h for h in Config.fromfile(patched).custom_hooks if h["type"] == "NanGuardHook")
     carried = json.loads(json.dumps(entry.get("quarantine", [])))  # plain lists and dicts, as a spec holds them
-    e1(carried == [i for i in identities if i][:1], f"the patched config carries {carried}, the record {identities}")
+    e1(carried == identities[:1], f"the patched config carries {carried}, the record {identities}")
     guard2 = {k: v for k, v in json.loads(json.dumps(entry)).items() if k != "type"}
 
     run2 = run_seed("petrv2_cbgs_run2", spec(petr_root, data, seed=1, batch_size=2, guard=guard2,
