@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 from harness import HOW_TO_RUN, SUMMARY
-from nusc_synth import write_scenes
+from nusc_synth import CBGS_TABLE_CLASSES, write_scenes
 
 #: What a clone must hold: the project's configs and mmdetection3d v1.0.0rc6's ``configs/_base_`` (the
 #: configs' ``_base_`` paths point there), as the projects' setup docs check it out.
@@ -98,6 +98,16 @@ def petr_cbgs_data(tmp_path_factory: Any) -> Iterator[str]:
     path."""
     root = str(tmp_path_factory.mktemp("petr_cbgs_data"))
     yield write_scenes(root, "petr", num_scenes=2, frames=2, width=320, height=180, objects=40, seed=2)
+
+
+@pytest.fixture(scope="session")
+def petr_cbgs_table_data(tmp_path_factory: Any) -> Iterator[str]:
+    """Four one-frame scenes in PETR's 30f info format whose classes (:data:`nusc_synth.CBGS_TABLE_CLASSES`) make
+    mmdet3d's ``CBGSDataset`` draw a table of ten indices, one per class, seven of them at random between two frames;
+    yields the info pickle's path."""
+    root = str(tmp_path_factory.mktemp("petr_cbgs_table_data"))
+    yield write_scenes(root, "petr", num_scenes=4, frames=1, width=320, height=180, objects=14, seed=3,
+                       scene_classes=CBGS_TABLE_CLASSES)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -160,6 +160,13 @@ class Expect:
                                  + self.result.describe())
 
 
+def check_all(**expects: Expect) -> None:
+    """Reports the failed expectations of several runs of one test at once, each run described under them."""
+    failed = [f"- {name}: {f}" for name, e in expects.items() for f in e.failed]
+    assert not failed, "\n".join(failed) + "".join(f"\n\n{name}:\n{e.result.describe()}"
+                                                    for name, e in expects.items())
+
+
 def median(values: List[float]) -> float:
     values = sorted(values)
     return values[len(values) // 2] if values else float("nan")

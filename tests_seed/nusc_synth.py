@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["CAMERAS", "CLASSES", "write_scenes", "token"]
+__all__ = ["CAMERAS", "CLASSES", "CBGS_TABLE_CLASSES", "write_scenes", "token"]
 
 #: Camera order of both converters (``camera_types`` in nuscenes_converter.py; PETR's sweep loader reads its own
 #: ``sensors`` list by name, so the order of ``cams`` is what the key frame uses).
@@ -38,6 +38,12 @@ _YAW = {"CAM_FRONT": 0.0, "CAM_FRONT_RIGHT": -55.0, "CAM_FRONT_LEFT": 55.0, "CAM
 #: The ten nuScenes detection classes, in the configs' ``class_names`` order.
 CLASSES: Tuple[str, ...] = ("car", "truck", "construction_vehicle", "bus", "trailer", "barrier", "motorcycle",
                             "bicycle", "pedestrian", "traffic_cone")
+#: Four frames' classes for a small, random ``CBGSDataset`` table: 17 (frame, class) pairs, so that CBGS draws
+#: ``int(17 / 10) = 1`` frame per class (a table of 10); classes 0-6 are each in frame 0 and one other frame (drawn
+#: at random under the run's seed), 7-9 each in one frame only.
+CBGS_TABLE_CLASSES: Tuple[Tuple[str, ...], ...] = (CLASSES[:7], (CLASSES[0], CLASSES[1], CLASSES[7]),
+                                                  (CLASSES[2], CLASSES[3], CLASSES[8]),
+                                                  (CLASSES[4], CLASSES[5], CLASSES[6], CLASSES[9]))
 #: StreamPETR's converter numbers 2D labels by this tuple (``nus_categories``), not by ``CLASSES``.
 _NUS_CATEGORIES = ("car", "truck", "trailer", "bus", "construction_vehicle", "bicycle", "motorcycle",
                    "pedestrian", "traffic_cone", "barrier")
@@ -129,7 +135,8 @@ def _image(rng: np.random.RandomState, height: int, width: int, boxes2d: np.ndar
 
 
 def write_scenes(root: str, fmt: str, num_scenes: int, frames: int, width: int = 400, height: int = 225,
-                 objects: int = 6, seed: int = 0, info_name: Optional[str] = None) -> str:
+                 objects: int = 6, seed: int = 0, info_name: Optional[str] = None,
+                 scene_classes: Optional[Sequence[Sequence[str]]] = None) -> str:
     """Writes ``num_scenes`` scenes of ``frames`` key frames under ``root``; returns the info pickle's path.
 
     Args:
@@ -142,12 +149,18 @@ def write_scenes(root: str, fmt: str, num_scenes: int, frames: int, width: int =
             every camera still count as 3D boxes, as in nuScenes).
         seed: everything random derives from it.
         info_name: the pickle's file name. Defaults to the converter's name for ``fmt``.
+        scene_classes: the classes of each scene's objects (scene ``s`` takes ``scene_classes[s]``, its objects
+            cycling through them), for data whose class counts a test sets (mmdet3d's ``CBGSDataset`` draws its
+            table from them). Defaults to None: classes drawn at random.
 
     Returns:
         The path of the info pickle (``ann_file`` of the dataset config).
     """
     if fmt not in ("streampetr", "petr"):
         raise ValueError(f"fmt must be 'streampetr' or 'petr', got {fmt!r}")
+    if scene_classes is not None and (len(scene_classes) != num_scenes or not all(
+            classes and set(classes) <= set(CLASSES) for classes in scene_classes)):
+        raise ValueError(f"scene_classes must give {num_scenes} non-empty lists of {CLASSES}, got {scene_classes!r}")
     import cv2  # opencv-python-headless: in every environment that has mmcv
 
     rng = np.random.RandomState(seed)
@@ -161,6 +174,8 @@ def write_scenes(root: str, fmt: str, num_scenes: int, frames: int, width: int =
         heading = rng.uniform(-math.pi, math.pi)
         speed = rng.uniform(3.0, 8.0)
         names = [CLASSES[i] for i in rng.randint(0, len(CLASSES), size=objects)]
+        if scene_classes is not None:
+            names = [scene_classes[s][k % len(scene_classes[s])] for k in range(objects)]
         # Objects in the global frame at the scene's first key frame, with their velocities.
         offsets = np.stack([rng.uniform(-30, 30, objects), rng.uniform(-30, 30, objects)], axis=1)
         obj_xy = start[:2] + offsets

@@ -181,6 +181,8 @@ class Recorder:
         self.guard: Any = None
         self.iterations: List[Dict[str, Any]] = []
         self.served: List[int] = []
+        #: Indices the guard's replays fetched (a batch rebuilt from its indices), kept apart from ``served``.
+        self.replayed: List[int] = []
         self.reads: Optional[List[List[str]]] = None
         self.read_iterations: List[int] = []
         self.with_cp: List[bool] = []
@@ -500,9 +502,11 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
         wrapper, dataset = (dataset, dataset.dataset) if spec.get("cbgs") else (None, dataset)
         REC.dataset = dataset
         original = dataset.prepare_train_data
+        from petr_stability.testing.fetches import guard_replay
 
         def prepare(index: int) -> Any:
-            REC.served.append(int(index))
+            # What the loader fetches for training, apart from the guard's replays of a batch from its indices.
+            (REC.replayed if guard_replay() else REC.served).append(int(index))
             return original(index)
 
         dataset.prepare_train_data = prepare  # the index each batch was built from, as the loader asks for it
@@ -542,7 +546,8 @@ def run(spec: Dict[str, Any]) -> Dict[str, Any]:
             REC.current.pop("c0", None)
             REC.iterations.append(dict(REC.current, unfinished=True))
         out.update(iterations=REC.iterations, reads=REC.reads, read_iterations=REC.read_iterations,
-                   final=REC.final(),
+                   final=REC.final(), replayed=REC.replayed,
+                   cbgs_table=[int(i) for i in wrapper.sample_indices] if wrapper is not None else None,
                    dataset=[{"index": i, "token": info["token"], "scene_token": info["scene_token"],
                              "flag": int(dataset.flag[i])} for i, info in enumerate(dataset.data_infos)])
     out["wall_seconds"] = time.perf_counter() - t_start

@@ -7,11 +7,12 @@ with ``PETRMultiheadAttention``, ``dropout=0.1`` and ``with_cp=True``, the confi
 ``max_norm=35``. The data: two synthetic scenes of two key frames in PETR's 30f info format (camera sweeps),
 through its own dataset and train pipeline.
 """
+import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
-from harness import SUMMARY, Expect, diagnosis_costs, run_seed
+from harness import SUMMARY, Expect, RunResult, check_all, diagnosis_costs, run_seed
 
 DECODER_FFN = "pts_bbox_head.transformer.decoder.layers.0.ffns.0.layers.0.0.weight"
 
@@ -103,3 +104,91 @@ def test_petrv2_through_cbgs_a_corrupt_sample_is_quarantined_under_every_index(p
     SUMMARY.append(f"petrv2_cbgs_corrupt: sample {bad['index']} under {bad['outer']} of {bad['outer_size']}; "
                    f"records {[(x.get('event'), x.get('iteration')) for x in records]}; served {served}")
     expect.check()
+
+
+def _fetches(r: RunResult, size: int) -> List[int]:
+    """How often the run's loader fetched each inner sample for training (the guard's replays are kept apart)."""
+    counts = [0] * size
+    for it in r.iterations:
+        for i in it.get("indices") or []:
+            counts[i] += 1
+    return counts
+
+
+def _quarantined(r: RunResult) -> List[int]:
+    """The outer indices the run's guard holds quarantined at its end."""
+    policy = (r.final.get("guard_state") or {}).get("policy") or {}
+    return sorted(int(i) for i in ((policy.get("skip") or {}).get("indices") or {}))
+
+
+def test_petrv2_through_cbgs_the_next_run_keeps_the_quarantined_sample_out(petr_root: str, petr_cbgs_table_data: str,
+                                                                           runs_dir: str) -> None:
+    """Issue 33 on the real stack: PETRv2 through mmdet3d's real ``CBGSDataset`` over four frames whose classes make
+    it draw a table of ten indices (``nusc_synth.CBGS_TABLE_CLASSES``: one frame per class, seven of them at random),
+    the frame the table serves most with camera 0 NaN. Run 1 (seed 3, batch 1, one epoch) quarantines it under every
+    index its table serves it under and writes the patched config. Run 2 takes the ``NanGuardHook`` entry of that
+    patched config (``nan_guard_patched_config.py``, read with ``mmcv.Config``, as a user's ``tools/train.py`` reads
+    it) with another seed (1: CBGS draws another table, in which the frame sits under indices run 1 never saw) and
+    batch size 2: the frame is fetched 0 times, no incident is recorded, and every good frame is fetched at least as
+    often as in run 2 without any quarantine and nothing corrupt (the baseline, same seed and batch size); the only
+    extra fetches are the substitutes of the bad frame's slots, as many as the baseline fetches the bad frame.
+    (Before identities, the patched config carried run 1's outer indices: in run 2 they serve good frames, and the
+    corrupt one came back under its new indices.)"""
+    data, cbgs = petr_cbgs_table_data, dict(max_epochs=1, cbgs=True)
+    run1 = run_seed("petrv2_cbgs_run1", spec(petr_root, data, seed=3, corrupt=dict(tokens=[], value="nan"),
+                                             corrupt_cbgs=True, **cbgs), runs_dir)
+    bad = run1.data["corrupt"]
+    size = len(run1.data["dataset"])
+    assert len(bad["outer"]) >= 2, f"the premise: CBGS serves the frame under several indices ({bad})"
+    e1 = Expect(run1)
+    e1(run1.error is None, f"the run raised {run1.error}")
+    e1(_quarantined(run1) == bad["outer"], f"quarantined {_quarantined(run1)}, CBGS serves it under {bad['outer']}")
+    records1 = run1.incidents()
+    # cause.signals.stored: for each quarantined sample, the identity kept for the next run (the patched config's).
+    identities = [i for x in records1 for i in ((x.get("cause") or {}).get("signals") or {}).get("stored", [])]
+    e1(any(isinstance(i, dict) and i.get("inner_index") == bad["index"] and i.get("token") == bad["token"]
+           for i in identities), f"no record names inner index {bad['index']} and token {bad['token']}: {identities}")
+    fetched1 = _fetches(run1, size)
+    e1(fetched1[bad["index"]] <= 2, f"run 1 fetched the frame {fetched1[bad['index']]} times")
+    patched = os.path.join(run1.work_dir, "nan_guard_patched_config.py")
+    if not e1(os.path.exists(patched), "no nan_guard_patched_config.py"):
+        check_all(run1=e1)
+    from mmcv import Config
+
+    entry = next(h for h in Config.fromfile(patched).custom_hooks if h["type"] == "NanGuardHook")
+    carried = json.loads(json.dumps(entry.get("quarantine", [])))  # plain lists and dicts, as a spec holds them
+    e1(carried == identities[:1], f"the patched config carries {carried}, the record {identities}")
+    guard2 = {k: v for k, v in json.loads(json.dumps(entry)).items() if k != "type"}
+
+    run2 = run_seed("petrv2_cbgs_run2", spec(petr_root, data, seed=1, batch_size=2, guard=guard2,
+                                             corrupt=dict(tokens=[bad["token"]], value="nan"), **cbgs), runs_dir)
+    table1, table2 = run1.data["cbgs_table"], run2.data["cbgs_table"]
+    outer2 = [i for i, inner in enumerate(table2) if inner == bad["index"]]
+    assert table2 != table1 and outer2 and not set(outer2) <= set(bad["outer"]), (
+        f"the premise: run 2's CBGS table {table2} differs from run 1's {table1} and serves frame {bad['index']} "
+        f"under an index run 1 did not quarantine")
+    base = run_seed("petrv2_cbgs_run2_base", spec(petr_root, data, seed=1, batch_size=2, **cbgs,
+                                                  guard={k: v for k, v in guard2.items() if k != "quarantine"}),
+                    runs_dir)
+    assert base.data["cbgs_table"] == table2, f"the baseline drew {base.data['cbgs_table']}, run 2 {table2}"
+    got, want = _fetches(run2, size), _fetches(base, size)
+    e2, e0 = Expect(run2), Expect(base)
+    e2(run2.error is None, f"the run raised {run2.error}")
+    e2(not run2.incidents(), f"incidents {[(x.get('event'), x.get('iteration')) for x in run2.incidents()]}")
+    e2(got[bad["index"]] == 0, f"the corrupt frame was fetched {got[bad['index']]} times")
+    e2(_quarantined(run2) == outer2, f"quarantined from the start {_quarantined(run2)}, its indices now {outer2}")
+    good = [i for i in range(size) if i != bad["index"]]
+    e2(all(got[i] >= want[i] for i in good), f"good frames fetched less than without quarantine: "
+                                             f"{ {i: (got[i], want[i]) for i in good if got[i] < want[i]} }")
+    e2(sum(got[i] - want[i] for i in good) == want[bad["index"]],
+       f"extra fetches {sum(got[i] - want[i] for i in good)}, the bad frame's slots {want[bad['index']]}")
+    e2(not run2.data.get("replayed"), f"the guard replayed {run2.data.get('replayed')}")
+    e2(run2.final.get("epoch") == 1 and run2.final.get("params_finite"),
+       f"final epoch {run2.final.get('epoch')}, params finite {run2.final.get('params_finite')}")
+    e0(base.error is None, f"the run raised {base.error}")
+    e0(want[bad["index"]] > 0, "the baseline never fetched the frame")
+    SUMMARY.append(f"petrv2_cbgs next run: frame {bad['index']} ({bad['token'][:8]}); tables {table1} (seed 3) / "
+                   f"{table2} (seed 1); run 1 fetches {fetched1}, records "
+                   f"{[(x.get('event'), x.get('iteration')) for x in records1]}, carried {carried}; "
+                   f"run 2 fetches {got} (records {len(run2.incidents())}), baseline {want}")
+    check_all(run1=e1, run2=e2, baseline=e0)
