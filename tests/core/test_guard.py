@@ -45,6 +45,15 @@ def test_harmless_overflow_under_scaler_changes_nothing(tmp_path):
     assert any("harmless overflow" in m for _, m in io.logs)
 
 
+def test_an_overflow_under_a_static_scale_is_a_step_lost_not_called_harmless(tmp_path):
+    io = FakeIO(str(tmp_path), mode="static")
+    guard = make_guard(io)
+    verdicts = run(io, guard, 20, faults={10: "grad"})
+    assert first(verdicts)[10] == "OVERFLOW" and io.restores == [] and guard.skipped_steps == 1
+    (line,) = [m for _, m in io.logs if "iter 11" in m or "iter 10" in m]
+    assert "gradient overflow under a static scale" in line and "harmless" not in line
+
+
 def test_fp32_transient_nan_step_is_skipped_not_applied(tmp_path):
     io = FakeIO(str(tmp_path), mode="none", skip=True)
     guard = make_guard(io)

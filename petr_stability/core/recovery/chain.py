@@ -617,7 +617,10 @@ def _skip_line(inc: Incident, listed: Optional[List[Dict[str, Any]]]) -> str:
     """The log line of a step that went wrong without diverging."""
     if inc.kind == "overflow":
         scale = "" if inc.signals.loss_scale is None else f", loss scale now {inc.signals.loss_scale:g}"
-        return f"NanGuard: harmless overflow at iter {inc.iteration}: step skipped{scale} ({inc.decision.reason})"
+        # A dynamic scale's overflow is its calibration; a static scale never backs off, so there a skipped step is a
+        # step lost (a bad sample whose loss the model's nan_to_num kept finite looks the same): not called harmless.
+        what = "harmless overflow" if inc.signals.scale_mode == "dynamic" else "gradient overflow under a static scale"
+        return f"NanGuard: {what} at iter {inc.iteration}: step skipped{scale} ({inc.decision.reason})"
     what = ("fp16 step skipped by the loss scaler: the forward itself is non-finite" if inc.signals.scale_mode != "none"
             else "fp32 step skipped before the optimizer applied it" if inc.kind == "skip" else
             "non-finite loss, step applied")
