@@ -268,6 +268,7 @@ class NanGuard:
     def _on_healthy(self, grad_norm: Optional[float], iteration: int, snapshot_due: bool,
                     taken: Optional[Snapshot] = None) -> None:
         self._watch_grad_norm(grad_norm, iteration)
+        self.policy.on_healthy(self.io, self.spikes, iteration)
         self.points.ring.tick()
         self.chain.close_if_held()
         if taken is not None:  # taken at its own iteration, its verdict agreed healthy since
@@ -284,7 +285,6 @@ class NanGuard:
         warning = self.spikes.observe(grad_norm, iteration)
         if warning:
             self.io.log(f"NanGuard: early warning: {warning}", "warning")
-        self.policy.on_healthy(self.io, self.spikes)
 
     def _healthy(self, optimizer: bool) -> bool:
         model = self.io.model()

@@ -75,7 +75,8 @@ def test_the_state_keeps_the_checkpoint_layout_and_idle_remedies_are_never_calle
     remedies = Remedies(GuardConfig())
     state = remedies.state_dict()
     assert set(state) == {"clip", "dropout_zeroed", "scale_made_dynamic", "policy"}
-    assert set(state["policy"]) == {"lr_factor", "skip", "sightings", "refused_samples", "identities", "fp32"}
+    assert set(state["policy"]) == {"lr_factor", "lr_rewarms", "lr_rewarm_wait", "lr_healthy_run",
+                                    "lr_last_healthy", "skip", "sightings", "refused_samples", "identities", "fp32"}
     for cls in REMEDY_TYPES.values():  # an idle remedy is read from its declarations alone
         monkeypatch.setattr(cls, "summary", lambda self, io: pytest.fail(f"{self.name}.summary called"))
     summary = remedies.summary(FakeIO())
@@ -133,6 +134,49 @@ def test_lr_backoff_lasts_and_a_restore_tag_brings_an_older_state_back():
     assert remedies.tags_in({"policy": {"lr_factor": 0.25}}) == {"lr.lr_factor": 0.25}
     assert remedies.tags_in(None) == {"lr.lr_factor": 1.0}
     assert _round_trip(remedies, config).get("lr").lr_factor == 0.5
+
+
+def test_lr_rewarm_gives_the_rate_back_after_healthy_steps_and_waits_longer_once_trouble_returned():
+    config, io = GuardConfig(lr_backoff=0.5, lr_rewarm=3), FakeIO()
+    sched = torch.optim.lr_scheduler.StepLR(io.opt, step_size=100)
+    io.lr_schedulers = lambda: [sched]
+    remedies = Remedies(config)
+    lr = remedies.get("lr")
+    dynamics = Classification(Cause.DYNAMICS, "x")
+
+    def healthy(iteration):
+        return _fire(remedies, When.HEALTHY, io, iteration=iteration).changes
+
+    assert healthy(1) == () and lr.lr_healthy_run == 0  # nothing backed off: nothing to give back, nothing counted
+    for _ in range(2):
+        _fire(remedies, When.AFTER_RESTORE, io, cls=dynamics, names=["lr"])
+    assert lr.lr_factor == 0.25 and io.opt.param_groups[0]["lr"] == pytest.approx(0.0025)
+    assert healthy(10) == () and healthy(11) == ()
+    assert healthy(7) == () and lr.lr_healthy_run == 1  # the iteration went back (a rollback): counted afresh
+    assert healthy(8) == () and lr.lr_factor == 0.25
+    changes = healthy(9)  # the third healthy step in a row: one step back up, the schedule with it
+    assert lr.lr_factor == 0.5 and io.opt.param_groups[0]["lr"] == pytest.approx(0.005)
+    assert {c.target for c in changes} >= {"optimizer0.group0.lr", "StepLR.base_lrs"}
+    assert sched.base_lrs == [pytest.approx(0.005)]
+    assert lr.lr_rewarms == [{"iteration": 9, "from": 0.25, "to": 0.5}]
+    assert any("re-warmed after 3 healthy iterations" in m and "0.25 -> 0.5" in m for _, m in io.logs)
+    # Trouble returns: backed off again, and the next re-warm waits twice as long.
+    _fire(remedies, When.AFTER_RESTORE, io, cls=dynamics, names=["lr"])
+    assert lr.lr_factor == 0.25 and lr.lr_rewarm_wait == 6
+    assert all(healthy(i) == () for i in range(20, 25)) and lr.lr_factor == 0.25
+    assert healthy(25) and lr.lr_factor == 0.5
+    assert all(healthy(i) == () for i in range(26, 31)) and healthy(31) and lr.lr_factor == 1.0
+    assert io.opt.param_groups[0]["lr"] == pytest.approx(0.01) and sched.base_lrs == [pytest.approx(0.01)]
+    assert healthy(32) == () and lr.lr_healthy_run == 0  # back at the schedule's own rate: never above it
+    again = _round_trip(remedies, config).get("lr")
+    assert again.lr_rewarms == lr.lr_rewarms and again.lr_rewarm_wait == 6 and again.lr_factor == 1.0
+    assert remedies.summary(io)["lr_rewarms"][-1] == {"iteration": 31, "from": 0.5, "to": 1.0}
+    assert remedies.config_entries(io).get("lr", ConfigEntry()).fix == {}  # given back: the next run needs nothing
+    # Off by default: a backoff lasts the run.
+    off, io2 = Remedies(GuardConfig()), FakeIO()
+    _fire(off, When.AFTER_RESTORE, io2, cls=dynamics, names=["lr"])
+    assert all(_fire(off, When.HEALTHY, io2, iteration=i).changes == () for i in range(1, 500))
+    assert off.get("lr").lr_factor == 0.5
 
 
 def test_moments_named_before_the_restore_and_cleared_after():

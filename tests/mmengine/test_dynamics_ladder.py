@@ -72,3 +72,25 @@ def test_guarded_run_climbs_to_the_lr_rung_and_finishes(tmp_path):
     assert runner.optim_wrapper.optimizer.param_groups[0]["lr"] == pytest.approx(LR * GUARD["lr_backoff"])
     held = [i["held"]["rung"] for i in guard.policy.history.incidents if i.get("held")]
     assert held == [LADDER[1].name], guard.policy.history.incidents
+
+
+def test_a_rewarmed_rate_is_given_back_and_backed_off_again_when_trouble_returns(tmp_path):
+    """``lr_rewarm=5``: after the lr rung held, 5 healthy iterations give the schedule's own rate back (x 1 /
+    ``lr_backoff``, never above it). At this rate the trouble returns: a new chain, whose first rung is in force,
+    climbs to the lr rung again, and every later re-warm waits twice as long as the one before."""
+    iters = 45
+    runner = build_runner(str(tmp_path), max_iters=iters, lr=LR, model_kwargs=MODEL, guard=dict(GUARD, lr_rewarm=5))
+    runner.train()
+    assert runner.iter == iters and _state_finite(runner)
+    guard = guard_hook(runner).guard
+    lr = guard.remedy("lr")
+    assert lr.lr_rewarms, "no re-warm"
+    assert all(r["to"] == pytest.approx(min(1.0, r["from"] / GUARD["lr_backoff"])) for r in lr.lr_rewarms)
+    records = [r for r in read_incidents(str(tmp_path)) if r["event"] == "divergence"]
+    backoffs = [r for r in records if any(a["target"] == "optimizer0.group0.lr" and a["new"] < a["old"]
+                                          for a in r["actions"])]
+    assert len(backoffs) >= 2, "the trouble did not return after a re-warm"  # at LR 0.2 it does, on both kernel sets
+    assert lr.lr_rewarm_wait == 5 * 2 ** (len(backoffs) - 1)
+    # Each re-warm scaled the schedule with the groups: past the warm-up the rate is the schedule's x the factor.
+    assert runner.optim_wrapper.optimizer.param_groups[0]["lr"] == pytest.approx(LR * lr.lr_factor)
+    assert guard.summary()["lr_rewarms"] == lr.lr_rewarms

@@ -266,10 +266,11 @@ class CausePolicy:
         parts = list(outcome.exclude or [])
         return parts[0] if len(parts) == 1 else _Union(parts)
 
-    def on_healthy(self, io: GuardIO, spikes: Any) -> None:
-        """A healthy step: the remedies that act on every one (the adaptive clip)."""
-        if self.remedies.takers(When.HEALTHY, self.remedies.context(io, When.HEALTHY)):
-            self.remedies.fire(When.HEALTHY, self.remedies.context(io, When.HEALTHY, extra={"spikes": spikes}))
+    def on_healthy(self, io: GuardIO, spikes: Any, iteration: int = 0) -> None:
+        """A healthy step: the remedies that act on every one (the adaptive clip, the learning rate's re-warm)."""
+        ctx = self.remedies.context(io, When.HEALTHY, iteration=iteration, extra={"spikes": spikes})
+        if self.remedies.takers(When.HEALTHY, ctx):
+            self.remedies.fire(When.HEALTHY, ctx)
 
     def event(self, event: When, io: GuardIO, c: Optional[Classification] = None, **fields: Any) -> Outcome:
         """Fires ``event`` (stalled, skipped, handled) at the remedies that take it."""

@@ -1,9 +1,9 @@
 """The learning-rate remedy: the rate times a factor, now and in every later value of its schedules."""
 import math
-from typing import Any, Iterable, List, Mapping
+from typing import Any, Dict, Iterable, List, Mapping
 
 from ..causes import Cause
-from ..validate import Setting, is_number
+from ..validate import Setting, is_int, is_number
 from .base import Change, ConfigEntry, Context, Remedy, When
 
 __all__ = ["scale_lr", "LrBackoff"]
@@ -89,25 +89,43 @@ def scale_lr(optimizers: Iterable[Any], factor: float, schedulers: Iterable[Any]
 
 class LrBackoff(Remedy):
     """The ladder's second rung: every learning rate (and schedule) times ``lr_backoff``. It lasts: a restore to a
-    state from before a backoff brings that state's rates back to the run's factor (its restore tag)."""
+    state from before a backoff brings that state's rates back to the run's factor (its restore tag).
+
+    With ``lr_rewarm=N`` (0: never) it gives the rate back once the run is stable again: after N healthy iterations
+    in a row (a rollback starts the count again) the factor is divided by ``lr_backoff`` (never above 1), then again
+    after N more, until the schedule's own rate is back. Trouble that returns meets the ladder as before (a new chain
+    whose first rung is in force climbs to this one: backed off again), and every re-warm that trouble followed
+    doubles the wait before the next."""
 
     name = "lr"
     label = "learning rate x {lr_backoff:g} (schedules too)"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
-    events = (When.AFTER_RESTORE, When.RESTORED)
+    events = (When.AFTER_RESTORE, When.RESTORED, When.HEALTHY)
     settings = (Setting("lr_backoff", 0.5, is_number(0.0, 1.0), "learning-rate factor of the dynamics ladder's "
-                        "second rung (every param group and schedule)."),)
-    state = ("lr_factor",)
+                        "second rung (every param group and schedule)."),
+                Setting("lr_rewarm", 0, is_int(0), "healthy iterations in a row after a learning-rate backoff "
+                        "before the rate is raised again by ``1 / lr_backoff`` toward the schedule's (never above "
+                        "it); 0: a backoff lasts the run (docs/demo.md measures both)."))
+    state = ("lr_factor", "lr_rewarms", "lr_rewarm_wait", "lr_healthy_run", "lr_last_healthy")
     section = "policy"
     tags = ("lr_factor",)
     idle = {"lr_factor": 1.0}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        #: The product of every learning-rate backoff so far.
+        #: The product of every learning-rate backoff (and re-warm) so far.
         self.lr_factor = 1.0
+        #: Each re-warm: its iteration, the factor before and after.
+        self.lr_rewarms: List[Dict[str, Any]] = []
+        #: Healthy iterations the next re-warm waits for (``lr_rewarm``, doubled by every re-warm trouble followed).
+        self.lr_rewarm_wait = 0
+        #: Healthy iterations in a row since the last backoff, re-warm or rollback, and the latest one's number.
+        self.lr_healthy_run = 0
+        self.lr_last_healthy = -1
 
     def match(self, ctx: Context) -> bool:
+        if ctx.event == When.HEALTHY:  # every healthy step: host numbers only
+            return self.config.lr_rewarm > 0 and self.lr_factor < 1.0
         return ctx.event != When.RESTORED or ctx.io.restores_lr()
 
     def apply(self, ctx: Context) -> List[Change]:
@@ -115,11 +133,39 @@ class LrBackoff(Remedy):
             # The restored optimizer and schedules predate a backoff: bring them back to the run's factor.
             then = float(ctx.restored.get("lr_factor", 1.0))
             return scale_lr(ctx.io.optimizers(), self.lr_factor / then, ctx.io.restored_lr_schedulers())
+        if ctx.event == When.HEALTHY:
+            return self._rewarm(ctx)
         self.lr_factor *= self.config.lr_backoff
+        # A backoff after a re-warm: that re-warm came too soon, the next one waits twice as long.
+        self.lr_rewarm_wait = self.lr_rewarm_wait * 2 if self.lr_rewarms else self.config.lr_rewarm
+        self.lr_healthy_run, self.lr_last_healthy = 0, -1
         return scale_lr(ctx.io.optimizers(), self.config.lr_backoff, ctx.io.lr_schedulers())
 
+    def _rewarm(self, ctx: Context) -> List[Change]:
+        if ctx.iteration <= self.lr_last_healthy:  # the iteration went back: a rollback, stability counts afresh
+            self.lr_healthy_run = 0
+        self.lr_last_healthy = ctx.iteration
+        self.lr_healthy_run += 1
+        if self.lr_healthy_run < max(1, self.lr_rewarm_wait or self.config.lr_rewarm):
+            return []
+        old, self.lr_factor = self.lr_factor, min(1.0, self.lr_factor / self.config.lr_backoff)
+        self.lr_rewarms.append({"iteration": ctx.iteration, "from": old, "to": self.lr_factor})
+        self.lr_healthy_run = 0
+        changes = scale_lr(ctx.io.optimizers(), self.lr_factor / old, ctx.io.lr_schedulers())
+        ctx.io.log(f"NanGuard: learning rate re-warmed after {self.lr_rewarm_wait or self.config.lr_rewarm} healthy "
+                   f"iterations (lr_rewarm): factor {old:g} -> {self.lr_factor:g} (schedules too)")
+        return changes
+
     def load_value(self, key: str, value: Any) -> Any:
-        return float(value)
+        if key == "lr_factor":
+            return float(value)
+        return [dict(r) for r in value] if key == "lr_rewarms" else int(value)
+
+    def summary(self, io: Any) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"lr_factor": self.lr_factor}
+        if self.lr_rewarms:
+            out["lr_rewarms"] = [dict(r) for r in self.lr_rewarms]
+        return out
 
     def config_entry(self, io: Any) -> ConfigEntry:
         if self.lr_factor == 1.0:
