@@ -1,7 +1,7 @@
 """Does a guarded run end where a stable one would? The demo's scenarios over seeds and CPU kernel sets (issue 35).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/efficacy.py [--seeds 0 1 2 3 4] [--kernels native default]
-        [--scenarios dynamics data_burst] [--json out.json]
+        [--scenarios dynamics data_burst] [--runs guarded reference ...] [--guard-kwargs JSON] [--json out.json]
 
 For each scenario, seed and kernel set (``native``: this CPU's best kernels; ``default``: torch's portable ones,
 ``ATEN_CPU_CAPABILITY=default``, what another CPU computes), the demo's real MMEngine runs (petr_stability.demo.run):
@@ -10,7 +10,10 @@ manual fix (transformer dropout 0, max_norm 1) from the start, no guard), ``ungu
 process of its own (the kernels are chosen as torch starts). Printed per scenario and kernel set: the held-out loss's
 median and max over the seeds for each run (NaN where a run was lost), how many were lost, the guard's iterations
 lost per incident, and the wall time; then guarded / reference (median, and the worst guarded against the
-reference's own spread). Ratios are measured in one invocation, on this machine.
+reference's own spread). Ratios are measured in one invocation, on this machine. ``--guard-kwargs`` passes further
+``NanGuardHook`` arguments to the guarded runs (``'{"diagnose": false, "lr_rewarm": 20}'``: the dynamics ladder,
+with the learning rate given back; docs/demo.md); each row also names the divergences' classes, the ladder's rungs
+that held and the guard's learning-rate factor at the end.
 """
 import argparse
 import json
@@ -21,14 +24,15 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["main", "one_kernel_set", "summarize"]
 
 RUNS = ("guarded", "reference", "known_fix", "unguarded")
 
 
-def one_kernel_set(scenarios: List[str], seeds: List[int]) -> List[Dict[str, Any]]:
+def one_kernel_set(scenarios: List[str], seeds: List[int], runs: Sequence[str] = RUNS,
+                   guard_kwargs: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """Every (scenario, seed, run) in this process's kernels: one row each."""
     import dataclasses
 
@@ -40,8 +44,8 @@ def one_kernel_set(scenarios: List[str], seeds: List[int]) -> List[Dict[str, Any
         for scenario in scenarios:
             for seed in seeds:
                 base = demo.settings_for(scenario)
-                runs = tuple(r for r in RUNS if r in demo.RUNS and (r != "reference" or scenario == "dynamics"))
-                s = dataclasses.replace(base, seed=seed, runs=runs)
+                chosen = tuple(r for r in runs if r in demo.RUNS and (r != "reference" or scenario == "dynamics"))
+                s = dataclasses.replace(base, seed=seed, runs=chosen, guard=dict(base.guard, **(guard_kwargs or {})))
                 train, heldout = demo._make_data(s)
                 for key in s.runs:
                     t0 = time.perf_counter()
@@ -49,6 +53,7 @@ def one_kernel_set(scenarios: List[str], seeds: List[int]) -> List[Dict[str, Any
                     rows.append({"scenario": scenario, "seed": seed, "run": key, "lost": r.lost,
                                  "eval_loss": r.eval_loss, "incidents": r.incidents,
                                  "iters_lost_per_incident": list(r.iters_lost_per_incident),
+                                 "causes": list(r.causes), "held": list(r.held), "lr_factor": r.lr_factor,
                                  "wall_s": round(time.perf_counter() - t0, 2)})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
@@ -93,11 +98,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--kernels", nargs="+", default=["native", "default"], choices=["native", "default"])
     p.add_argument("--scenarios", nargs="+", default=["dynamics", "data_burst"], choices=["dynamics", "data_burst"])
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--guard-kwargs", type=json.loads, default={}, help="JSON object of NanGuardHook arguments")
     p.add_argument("--json", default=None)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: this kernel set, rows on stdout
     a = p.parse_args(argv)
+    if not isinstance(a.guard_kwargs, dict):
+        p.error(f"--guard-kwargs must be a JSON object, got {a.guard_kwargs!r}")
     if a.one:
-        print(json.dumps(one_kernel_set(a.scenarios, a.seeds)))
+        print(json.dumps(one_kernel_set(a.scenarios, a.seeds, a.runs, a.guard_kwargs)))
         return
     rows: List[Dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -105,7 +114,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         env = dict(os.environ)
         if kernels == "default":
             env["ATEN_CPU_CAPABILITY"] = "default"
-        cmd = [sys.executable, __file__, "--one", "--seeds", *map(str, a.seeds), "--scenarios", *a.scenarios]
+        cmd = [sys.executable, __file__, "--one", "--seeds", *map(str, a.seeds), "--scenarios", *a.scenarios,
+               "--runs", *a.runs, "--guard-kwargs", json.dumps(a.guard_kwargs)]
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
         rows += [dict(r, kernels=kernels) for r in json.loads(done.stdout.strip().splitlines()[-1])]
     summary = summarize(rows)
