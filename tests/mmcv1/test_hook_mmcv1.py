@@ -154,6 +154,34 @@ def test_lr_of_first_step_after_rollback_follows_restored_counter(tmp_path):
     assert restored_iter >= 8 or lr_after != first_pass[9]  # it is not the LR of the failed iteration
 
 
+def test_a_backed_off_rate_is_given_back_through_the_lr_updater_hook(tmp_path):
+    # lr_rewarm on MMCV 1.x: the backoff and the re-warm both scale the LrUpdaterHook's bases, so the warm-up and the
+    # steps the hook computes each iteration continue at the factor, then at the schedule's own rate again. The
+    # replay is off and the ladder is the lr rung alone, so the first divergence backs the rate off.
+    lr_config = dict(policy="step", step=[16], gamma=0.1, by_epoch=False, warmup="linear", warmup_iters=4,
+                     warmup_ratio=0.1)
+    guard = dict(FAST, diagnose=False, remedies=["rollback", "lr"], ladder=[["lr"]], lr_rewarm=3)
+    plain = build_runner(str(tmp_path / "plain"), runner="iter", amp=DYN, max_iters=20, lr_config=dict(lr_config))
+    schedule = LRRecorder()
+    plain.register_hook(schedule)
+    run(plain)
+    want = dict(schedule.steps)
+    r = build_runner(str(tmp_path / "guarded"), runner="iter", amp=DYN, max_iters=20, guard=guard,
+                     lr_config=dict(lr_config), faults=[dict(kind="weights", iters=[8])])
+    rec = LRRecorder()
+    r.register_hook(rec)
+    run(r)
+    lr = guard_hook(r).guard.remedy("lr")
+    assert guard_hook(r).guard.recoveries == 1 and len(lr.lr_rewarms) == 1 and lr.lr_factor == 1.0
+    back = next(k for k in range(1, len(rec.steps)) if rec.steps[k][0] <= rec.steps[k - 1][0])
+    given = lr.lr_rewarms[0]["iteration"]  # 1-based: the 0-based iterations from it on run at the schedule's rate
+    halved = [(it, got) for it, got in rec.steps[back:] if it < given]
+    assert len(halved) == 3 and all(got == pytest.approx(0.5 * want[it]) for it, got in halved), halved
+    again = [(it, got) for it, got in rec.steps[back:] if it >= given]
+    assert again and all(got == pytest.approx(want[it]) for it, got in again), again
+    assert any(it >= 16 for it, _ in again)  # past the step: the hook's own decay, from the base given back
+
+
 def test_epoch_lr_survives_a_rollback_across_the_epoch_boundary(tmp_path):
     # CosineAnnealing by epoch (PETR's lr_config): LR is set once per epoch, so a snapshot's LR must not come back.
     lr_config = dict(policy="CosineAnnealing", min_lr_ratio=0.01, by_epoch=True)
