@@ -177,6 +177,14 @@ def test_lr_rewarm_gives_the_rate_back_after_healthy_steps_and_waits_longer_once
     _fire(off, When.AFTER_RESTORE, io2, cls=dynamics, names=["lr"])
     assert all(_fire(off, When.HEALTHY, io2, iteration=i).changes == () for i in range(1, 500))
     assert off.get("lr").lr_factor == 0.5
+    # A factor that does not divide back exactly (0.3 * 0.3 / 0.3 / 0.3) still lands on the schedule's own rate.
+    odd, io3 = Remedies(GuardConfig(lr_backoff=0.3, lr_rewarm=1)), FakeIO()
+    for _ in range(2):
+        _fire(odd, When.AFTER_RESTORE, io3, cls=dynamics, names=["lr"])
+    for i in range(1, 4):
+        _fire(odd, When.HEALTHY, io3, iteration=i)
+    assert [r["to"] for r in odd.get("lr").lr_rewarms] == [pytest.approx(0.3), 1.0]
+    assert io3.opt.param_groups[0]["lr"] == pytest.approx(0.01) and odd.config_entries(io3)["lr"].fix == {}
 
 
 def test_moments_named_before_the_restore_and_cleared_after():

@@ -148,7 +148,8 @@ class LrBackoff(Remedy):
         self.lr_healthy_run += 1
         if self.lr_healthy_run < max(1, self.lr_rewarm_wait or self.config.lr_rewarm):
             return []
-        old, self.lr_factor = self.lr_factor, min(1.0, self.lr_factor / self.config.lr_backoff)
+        raised = self.lr_factor / self.config.lr_backoff
+        old, self.lr_factor = self.lr_factor, 1.0 if raised > 1.0 - 1e-9 else raised  # 0.3 * 0.3 / 0.3 / 0.3 is 1
         self.lr_rewarms.append({"iteration": ctx.iteration, "from": old, "to": self.lr_factor})
         self.lr_healthy_run = 0
         changes = scale_lr(ctx.io.optimizers(), self.lr_factor / old, ctx.io.lr_schedulers())
