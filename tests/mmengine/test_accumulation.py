@@ -28,8 +28,8 @@ from petr_stability.testing.data_faults import (
     named_indices,
     watch_steps,
 )
-from petr_stability.testing.mmengine_cpu import PETRLikeModel
-from petr_stability.testing.plain import Pairs, mlp, squared_error
+from petr_stability.testing.mmengine_cpu import PETRLikeModel, Regressor
+from petr_stability.testing.plain import Pairs
 from petr_stability.testing.wrappers import Counted
 
 SMALL = dict(num_layers=1, num_query=16)
@@ -134,17 +134,6 @@ def test_a_rollback_to_a_start_inside_a_window_restarts_it_from_zero_gradients(t
     assert [row[0] for row in after] == [7] and after[0][1:] == (0, 0, 0)  # no gradient held at all
     assert all(it == count for it, count in reads.counts), reads.counts
     assert named_indices(read_incidents(wd)) == [13] and runner.train_dataloader.dataset.fetches[13] == 1
-
-
-class Regressor(BaseModel):
-    """An MLP with no BatchNorm and no ``nan_to_num``: a NaN feature makes only the loss and the gradients NaN."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = mlp()
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, mode: str = "loss") -> dict:
-        return {"loss": squared_error(self.net, x, y)}
 
 
 def test_a_bad_sample_inside_a_window_is_the_one_named(tmp_path):

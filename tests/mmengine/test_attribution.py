@@ -28,9 +28,9 @@ from petr_stability.testing.causes_models import (
     poison_pixels,
 )
 from petr_stability.testing.data_faults import assert_burst_is_data
-from petr_stability.testing.mmengine_cpu import PETRLikeModel
+from petr_stability.testing.mmengine_cpu import PETRLikeModel, Regressor
 from petr_stability.testing.petr_like import make_batch
-from petr_stability.testing.plain import Pairs, mlp, squared_error
+from petr_stability.testing.plain import Pairs, squared_error
 
 SMALL = dict(num_layers=1, num_query=16)
 GUARD = dict(snapshot_interval=4, confirm_steps=2, check_interval=4)
@@ -58,17 +58,6 @@ class Plain(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         self.served.append(int(i))
         return self.samples[i]
-
-
-class Regressor(BaseModel):
-    """A user's model unlike PETR: an MLP, no BatchNorm, no ``nan_to_num``; the batch is a list ``[x, y]``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = mlp()
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, mode: str = "loss") -> dict:
-        return {"loss": squared_error(self.net, x, y)}
 
 
 class MixingRegressor(Regressor):
