@@ -21,6 +21,8 @@ from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
 
 __all__ = ["RESTORE_ORDER", "RestorePoints", "checkpoint_finite", "check_checkpoint"]
 
+#: How a restore point taken where the trouble started is named (a healthy state to use without a warning).
+_AT_TROUBLE = "memory (where the trouble started)"
 #: Where a rollback looks, in this order; each point is tried at most once per incident chain (until a state
 #: taken after the latest recovery is confirmed). docs/how-it-works.md, "Restore points", says why.
 RESTORE_ORDER = (
@@ -130,7 +132,7 @@ class RestorePoints:
         # closest healthy state. For the others an unconfirmed one is no restore point at all.
         trouble = [s for s in pending if s.at_trouble]
         pending = [s for s in pending if not s.at_trouble]
-        groups = ((("memory (where the trouble started)", trouble),) if trouble_first else ()) + (
+        groups = (((_AT_TROUBLE, trouble),) if trouble_first else ()) + (
             ("memory", confirmed), ("memory (unconfirmed)", pending))
         for kind, snaps in groups:
             for snap in snaps:
@@ -168,7 +170,7 @@ class RestorePoints:
                 continue
             if point.kind != "checkpoint":
                 tried.add(point.key)
-                if point.kind not in ("memory", "memory (where the trouble started)"):
+                if point.kind not in ("memory", _AT_TROUBLE):
                     self.io.log(f"NanGuard: no confirmed snapshot is left; using {point.kind} state of iter "
                                 f"{point.iteration}", "warning")
             payload = point.read()

@@ -146,15 +146,16 @@ class LrBackoff(Remedy):
             self.lr_healthy_run = 0
         self.lr_last_healthy = ctx.iteration
         self.lr_healthy_run += 1
-        if self.lr_healthy_run < max(1, self.lr_rewarm_wait or self.config.lr_rewarm):
+        wait = self.lr_rewarm_wait or self.config.lr_rewarm  # a factor carried in from a patched config set no wait
+        if self.lr_healthy_run < wait:
             return []
         raised = self.lr_factor / self.config.lr_backoff
         old, self.lr_factor = self.lr_factor, 1.0 if raised > 1.0 - 1e-9 else raised  # 0.3 * 0.3 / 0.3 / 0.3 is 1
         self.lr_rewarms.append({"iteration": ctx.iteration, "from": old, "to": self.lr_factor})
         self.lr_healthy_run = 0
         changes = scale_lr(ctx.io.optimizers(), self.lr_factor / old, ctx.io.lr_schedulers())
-        ctx.io.log(f"NanGuard: learning rate re-warmed after {self.lr_rewarm_wait or self.config.lr_rewarm} healthy "
-                   f"iterations (lr_rewarm): factor {old:g} -> {self.lr_factor:g} (schedules too)")
+        ctx.io.log(f"NanGuard: learning rate re-warmed after {wait} healthy iterations (lr_rewarm): factor {old:g} -> "
+                   f"{self.lr_factor:g} (schedules too)")
         return changes
 
     def load_value(self, key: str, value: Any) -> Any:
