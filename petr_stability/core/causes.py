@@ -55,7 +55,9 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
     CauseRow(Cause.FORWARD_OVERFLOW, "forward overflow",
              "a module's fp16 forward is the first to go non-finite from finite inputs within fp16 range, and it "
              "(or an enclosing call) re-run alone in fp32 on the same inputs is finite",
-             "run that module in fp32 from now on; roll back (already in fp32: structural)",
+             "run that module in fp32 from now on; where the same batch stays finite in fp16 on the healthy "
+             "weights (the weights grew into the overflow), learning rate x {lr_backoff} (schedules too) as well "
+             "(lr_on_overflow); roll back (already in fp32: structural)",
              True, "the module named runs in fp32; the patched config carries the switch"),
     CauseRow(Cause.DATA, "data",
              "the batch arrives non-finite at the model's input, or breaks the healthy weights too while a batch "

@@ -112,7 +112,7 @@ def full_demo(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("demo_full")
     results = run_demo(str(work), echo=False)
-    return {name: {r.key: r for r in runs} for name, runs in results.items()}
+    return dict({name: {r.key: r for r in runs} for name, runs in results.items()}, work=work)
 
 
 def _why(r):
@@ -134,3 +134,18 @@ def test_full_scenario_guarded_run_is_ok(full_demo, scenario):
     r = full_demo[scenario]["guarded"]
     assert not r.lost and r.finished and r.state_finite and r.incidents >= 1, _why(r)
     assert len(r.iters_lost_per_incident) == r.incidents, _why(r)
+
+
+@pytest.mark.numerics
+def test_full_dynamics_guarded_run_backs_the_rate_off_where_the_weights_grew_into_the_overflow(full_demo):
+    # Too high a learning rate, nothing planted: the replay finds the decoder's fp16 overflow, and the same batch
+    # finite on the healthy weights (the weights grew into it). The layer goes to fp32 and the rate x lr_backoff.
+    # The corrupt frames of data_burst are the batch's fault: no rate changes there.
+    r = full_demo["dynamics"]["guarded"]
+    records = [json.loads(ln) for ln in (full_demo["work"] / "dynamics" / "guarded" / "nan_guard_incidents.jsonl")
+               .read_text().splitlines()]
+    grew = [rec for rec in records if rec["event"] == "divergence" and rec["cause"]["cause"] == "forward_overflow"]
+    assert grew and all(rec["cause"]["signals"]["weights_grew"] for rec in grew), _why(r)
+    assert r.lr_factor <= 0.5 and "the weights grew into the overflow" in grew[0]["cause"]["evidence"]
+    assert full_demo["data_burst"]["guarded"].lr_factor == 1.0, _why(full_demo["data_burst"]["guarded"])
+

@@ -399,6 +399,33 @@ def test_fp16_overflow_in_one_module_is_forward_overflow_and_fp32_fixes_it():
     assert c.cause == Cause.FORWARD_OVERFLOW and c.modules == ("attn",) and "on the healthy weights" in c.evidence
 
 
+def test_an_overflow_the_weights_grew_into_says_so_and_one_the_healthy_weights_show_too_does_not():
+    # proj is the identity on the live weights (logits 50*50*32 = 80000, past fp16) and half of it on the healthy
+    # ones (20000): the same batch is finite there, so the weights grew into the overflow (the training dynamics).
+    model, x = TwoStage(), torch.full((1, 64, 32), 50.0)
+    before = _healthy(model)
+    before["proj.weight"] = before["proj.weight"] * 0.5
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(x)
+
+    grew = classify(diagnose_step(model, forward, healthy_weights=before, healthy_from="snapshot of iter 40",
+                                  compare="reproduced"), CauseHistory(), 100)
+    assert grew.cause == Cause.FORWARD_OVERFLOW and grew.modules == ("attn",) and grew.signals["weights_grew"] is True
+    assert "on the healthy weights (snapshot of iter 40) the same batch stays finite in fp16" in grew.evidence
+    every = classify(diagnose_step(model, forward, healthy_weights=_healthy(model), compare="reproduced"),
+                     CauseHistory(), 100)
+    assert every.cause == Cause.FORWARD_OVERFLOW and every.signals["weights_grew"] is False
+    assert "grew" not in every.evidence
+    alone = classify(diagnose_step(model, forward), CauseHistory(), 100)  # no healthy weights: no such evidence
+    assert alone.cause == Cause.FORWARD_OVERFLOW and "weights_grew" not in alone.signals
+    # Across ranks it holds only where every rank classing the overflow shows it.
+    assert merge([grew, None, grew]).signals["weights_grew"] is True
+    assert merge([grew, every]).signals["weights_grew"] is False
+    assert merge([every, grew]).signals["weights_grew"] is False
+
+
 def test_structural_from_first_iterations_spent_remedies_and_back_to_back_data():
     model = LogBox()
     healthy = _healthy(model)

@@ -210,6 +210,8 @@ def test_every_remedy_has_its_file_its_tests_and_its_row_in_the_docs():
         assert [e.strip() for e in events.split(",")] == [e.value for e in remedy.events], (remedy.name, events)
         for cause in remedy.causes:
             assert cause.value in serves, (remedy.name, serves)
+        for cause in remedy.assists:
+            assert f"assists {cause.value}" in serves, (remedy.name, serves)
         prefix = "policy." if remedy.section == "policy" else ""
         assert sorted(re.findall(r"`([\w.]+)`", state)) == sorted(prefix + k for k in remedy.state), remedy.name
 

@@ -265,6 +265,27 @@ def test_fp32_runs_a_module_in_fp32_once_then_structural():
     assert isinstance(remedies.get("fp32"), Fp32Remedy) and _round_trip(remedies, config).get("fp32").fp32 == ["out"]
 
 
+def test_lr_assists_a_forward_overflow_only_where_the_weights_grew_into_it():
+    # The replay's signal decides: an overflow the healthy weights show too (the batch's, every batch's) changes no
+    # rate; one the weights grew into gets the fp32 module and the learning rate x lr_backoff; lr_on_overflow=False
+    # keeps the module alone. Without the fp32 remedy the class is not served (the ladder takes it instead).
+    grew = Classification(Cause.FORWARD_OVERFLOW, "overflow", modules=["out"], signals={"weights_grew": True})
+    every = grew.with_signals(weights_grew=False)
+    for config, cls, factor in ((GuardConfig(), grew, 0.5), (GuardConfig(), every, 1.0),
+                                (GuardConfig(lr_on_overflow=False), grew, 1.0),
+                                (GuardConfig(), Classification(Cause.FORWARD_OVERFLOW, "no healthy weights"), 1.0)):
+        remedies, io = Remedies(config), FakeIO()
+        _fire(remedies, When.AFTER_RESTORE, io, cls=cls)
+        assert remedies.get("lr").lr_factor == factor and io.opt.param_groups[0]["lr"] == 0.01 * factor, cls
+    assert "lr" not in serving(Cause.FORWARD_OVERFLOW)
+    no_fp32 = CausePolicy(GuardConfig(remedies=[r for r in REMEDIES if r != "fp32"]))
+    assert not no_fp32.enabled(Cause.FORWARD_OVERFLOW)  # the rollback alone is no answer (it was, before)
+    c, changes = no_fp32.before_restore(grew, FakeIO(), [], 1)
+    assert c.cause == Cause.DYNAMICS and "the fp32 remedy is off: the ladder instead" in c.evidence and changes
+    assert "grew into the overflow" in CausePolicy(GuardConfig(lr_backoff=0.25)).action_text(Cause.FORWARD_OVERFLOW)
+    assert "x 0.25" in CausePolicy(GuardConfig(lr_backoff=0.25)).action_text(Cause.FORWARD_OVERFLOW)
+
+
 def test_temporal_reset_and_rollback_switch():
     class Memory(torch.nn.Module):
         calls = 0

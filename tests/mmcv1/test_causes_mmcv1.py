@@ -59,13 +59,13 @@ class MemoryProbe(Hook):
 
 def build(work_dir: str, dataset: IdentifiedDataset, runner: str = "epoch", max_epochs: int = 3, max_iters: int = 16,
           amp: Any = "dynamic", guard: Optional[dict] = None, net: Optional[torch.nn.Module] = None,
-          model_kwargs: Optional[dict] = None, extra_hooks: Optional[List[Hook]] = None) -> Any:
+          model_kwargs: Optional[dict] = None, extra_hooks: Optional[List[Hook]] = None, lr: float = 2e-4) -> Any:
     """An MMCV 1.x runner over ``dataset`` (batch 2, no shuffle), hooks registered as mmdet3d 0.x does."""
     torch.manual_seed(0)
     model = IdsModel(**dict(MODEL, **(model_kwargs or {})))
     if net is not None:
         model.net = net
-    optimizer = build_optimizer(model, dict(type="AdamW", lr=2e-4, weight_decay=0.01))
+    optimizer = build_optimizer(model, dict(type="AdamW", lr=lr, weight_decay=0.01))
     logger = logging.getLogger(f"mmcv1-causes-{uuid.uuid4().hex[:8]}")
     logger.setLevel(logging.INFO)
     cls = EpochBasedRunner if runner == "epoch" else IterBasedRunner
@@ -108,6 +108,35 @@ def test_sample_breaking_every_epoch_is_quarantined_once_and_named(tmp_path):
     assert dataset.served[BAD] == 1 and dataset.served[0] == 3
 
 
+@pytest.mark.parametrize("lr_on_overflow", [True, False])
+def test_a_too_high_rate_growing_the_logits_into_fp16_overflow_gets_fp32_and_a_lower_rate(tmp_path, lr_on_overflow):
+    # Nothing planted: at lr 0.1 the cross attention's logits (gain 2e4) overflow fp16 on the start weights, and
+    # after that is in fp32 the decoder layer's FFN grows until its fp16 forward overflows (iteration 25). Each
+    # overflow's replay says whether the same batch is finite on the healthy weights: the start weights overflow
+    # too (no rate change), the later one is finite on the snapshot (the weights grew into it): the decoder layer
+    # goes to fp32 and, by default, the rate x 0.5 in the optimizer and MMCV's LrUpdaterHook bases.
+    wd = str(tmp_path)
+    r = build(wd, IdentifiedDataset(N, num_query=16), runner="iter", max_iters=40, lr=0.1,
+              model_kwargs=dict(layer_cfg=overflow_layer_cfg(logit_gain=2e4)),
+              guard=dict(lr_on_overflow=lr_on_overflow))
+    run(r)
+    assert r.iter == 40 and params_finite(r)
+    records = divergences(wd)
+    assert records and all(rec["cause"]["cause"] == "forward_overflow" for rec in records)
+    grew = [rec for rec in records if rec["cause"]["signals"]["weights_grew"]]
+    assert len(grew) == 1 and grew[0]["iteration"] == 25, [(rec["iteration"], rec["cause"]) for rec in records]
+    assert "the same batch stays finite in fp16: the weights grew into the overflow" in grew[0]["cause"]["evidence"]
+    lr_targets = ["optimizer0.group0.lr", "optimizer0.group0.initial_lr", "FixedLrUpdaterHook.base_lr",
+                  "FixedLrUpdaterHook.regular_lr"]
+    for rec in records:
+        targets = [a["target"] for a in rec["actions"]]
+        assert targets[0] == rec["cause"]["modules"][0], targets  # the module in fp32 first, always
+        assert targets[1:] == (lr_targets if lr_on_overflow and rec in grew else []), (rec["iteration"], targets)
+    assert grew[0]["cause"]["modules"][0] in fp32_modules(r.model)
+    assert r.optimizer.param_groups[0]["lr"] == (0.05 if lr_on_overflow else 0.1)
+    assert guard_hook(r).guard.remedy("lr").lr_factor == (0.5 if lr_on_overflow else 1.0)
+
+
 def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
     wd = str(tmp_path)
     # Every batch overflows the attention core's fp16 logits; the scaler backs off 8 -> 0.5, below 1: diverged.
@@ -118,6 +147,8 @@ def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
     (rec,) = divergences(wd)
     assert rec["cause"]["cause"] == "forward_overflow" and rec["cause"]["modules"] == [CORE]
     assert rec["diagnosis"]["fp32_check"]["fixed_by"] == CORE
+    # Every batch overflows, on the healthy weights too: the weights did not grow into it, no rate changes.
+    assert rec["cause"]["signals"]["weights_grew"] is False and not [a for a in rec["actions"] if ".lr" in a["target"]]
     assert fp32_modules(r.model) == [CORE] and guard_hook(r).guard.remedy("fp32").fp32 == [CORE]
     assert r.meta["nan_guard"]["policy"]["fp32"] == [CORE]  # persisted for a resume
     # The trained model: the core is finite (fp32) under the model's fp16 autocast, and overflows once released.

@@ -132,8 +132,11 @@ def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
     assert check["module"] == CORE and check["fixed_by"] == CORE and check["max_abs"] < 65504
     assert fp32_modules(runner.model) == [CORE]
     assert guard_hook(runner).guard.remedy("fp32").fp32 == [CORE]
-    # Not the ladder: no hyperparameter changed.
+    # Not the ladder: no hyperparameter changed. Every batch overflows, on the healthy weights too: the weights did
+    # not grow into it, so the learning rate stays (lr_on_overflow answers only the overflow they grew into).
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 35
+    assert rec["cause"]["signals"]["weights_grew"] is False and "grew" not in rec["cause"]["evidence"]
+    assert [g["lr"] for g in runner.optim_wrapper.optimizer.param_groups] == [2e-4]
     # The trained model: the core is finite (fp32) under fp16 autocast, and overflows once released.
     core = runner.model.get_submodule(CORE)
     seen = []

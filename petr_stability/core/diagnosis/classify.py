@@ -81,6 +81,32 @@ def _overflow_module(report: Mapping[str, Any]) -> Optional[str]:
     return check.get("fixed_by")
 
 
+def _forward_overflow(report: Mapping[str, Any], healthy: Optional[Mapping[str, Any]],
+                      good: Optional[Mapping[str, Any]],
+                      signals: Dict[str, Any]) -> Optional[Tuple[Cause, str, List[str], Dict[str, Any]]]:
+    """An fp16 overflow fixed by fp32, on the live weights or (when those already hold NaN) on the healthy ones, or
+    on the batch known to be good (the overflow is in every batch, not in this one's data); None without one."""
+    for where, rep in (("live", report), ("healthy", healthy or {}), ("good batch's", good or {})):
+        module = _overflow_module(rep)
+        if not module:
+            continue
+        check = rep["fp32_check"]
+        signals["fp32_check"] = {k: check.get(k) for k in ("module", "fixed_by", "max_abs")}
+        made = (f"is made by the code that feeds {check['module']} (its input)" if check.get("where") == "input"
+                else f"appears in the fp16 forward of {check['module']} from finite inputs within fp16 range")
+        evidence = (f"on the {where} weights the first NaN/Inf {made}, and {module} re-run alone in fp32 on the "
+                    f"same inputs is finite (max |x| {check.get('max_abs')}, within {FP16_MAX:g})")
+        if where == "live" and healthy is not None:
+            # The same batch in fp16 on the healthy weights: finite there, the weights grew into the overflow since
+            # then (the training dynamics, not this batch); overflowing there too, they did not.
+            signals["weights_grew"] = not healthy.get("reproduced")
+            if signals["weights_grew"]:
+                evidence += (f"; on the healthy weights ({healthy.get('weights') or 'the last healthy weights'}) the "
+                             "same batch stays finite in fp16: the weights grew into the overflow")
+        return Cause.FORWARD_OVERFLOW, evidence, [module], signals
+    return None
+
+
 def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[Cause, str, List[str], Dict[str, Any]]:
     first = report.get("first") or {}
     healthy = report.get("on_healthy_weights")
@@ -88,18 +114,9 @@ def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[C
                                "first": {k: first.get(k) for k in ("module", "where", "dtype")} if first else None,
                                "healthy_compared": healthy is not None}
     good = report.get("good_batch")
-    # An fp16 overflow fixed by fp32, on the live weights or (when those already hold NaN) on the healthy ones, or on
-    # the batch known to be good (the overflow is in every batch, not in this one's data).
-    for where, rep in (("live", report), ("healthy", healthy or {}), ("good batch's", good or {})):
-        module = _overflow_module(rep)
-        if module:
-            check = rep["fp32_check"]
-            signals["fp32_check"] = {k: check.get(k) for k in ("module", "fixed_by", "max_abs")}
-            made = (f"is made by the code that feeds {check['module']} (its input)" if check.get("where") == "input"
-                    else f"appears in the fp16 forward of {check['module']} from finite inputs within fp16 range")
-            return (Cause.FORWARD_OVERFLOW,
-                    f"on the {where} weights the first NaN/Inf {made}, and {module} re-run alone in fp32 on the same "
-                    f"inputs is finite (max |x| {check.get('max_abs')}, within {FP16_MAX:g})", [module], signals)
+    overflow = _forward_overflow(report, healthy, good, signals)
+    if overflow is not None:
+        return overflow
     # The batch as it arrives: at the model's input, or at MMEngine's data preprocessor (the model's first module).
     if first and first.get("where") == "input" and first.get("module") in ("(model)", "data_preprocessor"):
         known = (f", while {good.get('batch')}, known to be good, trains fine on the healthy weights"
@@ -146,11 +163,12 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
     """Classifies one confirmed divergence from its replay report.
 
     The replay decides (fp16 overflow fixed by fp32 > a non-finite batch or one that breaks the healthy weights =
-    data > fine on the healthy weights = dynamics > unknown); a data (or reproduced unknown) divergence within
-    ``history.first_iterations`` is structural (the first batches break the start weights); then that cause
-    becomes structural when its remedies are spent
-    (:meth:`CauseHistory.mark_spent`), or, for data, when the previous incident was data too and fewer than
-    ``history.recurrence_window`` iterations trained since its rollback (every batch breaks).
+    data > fine on the healthy weights = dynamics > unknown; an overflow on the live weights whose batch stays finite
+    on the healthy ones carries the signal ``weights_grew``: the weights grew into it); a data (or reproduced
+    unknown) divergence within ``history.first_iterations`` is structural (the first batches break the start
+    weights); then that cause becomes structural when its remedies are spent (:meth:`CauseHistory.mark_spent`),
+    or, for data, when the previous incident was data too and fewer than ``history.recurrence_window`` iterations
+    trained since its rollback (every batch breaks).
 
     Args:
         report: a :func:`~.replay.diagnose_step` report (``compare='reproduced'`` gives the healthy
@@ -230,7 +248,8 @@ def merge(classifications: Sequence[Optional[Classification]]) -> Classification
     """One class from several (ranks): the highest precedence wins; its overflow modules are united.
 
     Precedence: structural > forward overflow > data > dynamics > unknown. ``None`` entries (ranks that saw no
-    fault and ran no diagnosis) are ignored; with none left the result is unknown.
+    fault and ran no diagnosis) are ignored; with none left the result is unknown. A forward overflow's
+    ``weights_grew`` holds only where every rank classing it so shows it.
     """
     present = [(i, c) for i, c in enumerate(classifications) if c is not None]
     if not present:
@@ -241,7 +260,10 @@ def merge(classifications: Sequence[Optional[Classification]]) -> Classification
         if c.cause == best.cause:
             modules.extend(m for m in c.modules if m not in modules)
     ranks = {str(i): c.cause.value for i, c in present}
-    return Classification(best.cause, best.evidence, modules, dict(best.signals), ranks)
+    signals = dict(best.signals)
+    if "weights_grew" in signals:  # the learning rate answers it only where every rank's overflow shows it
+        signals["weights_grew"] = all(c.signals.get("weights_grew") for _, c in present if c.cause == best.cause)
+    return Classification(best.cause, best.evidence, modules, signals, ranks)
 
 
 def batch_broke(report: Optional[Mapping[str, Any]]) -> bool:

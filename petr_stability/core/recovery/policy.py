@@ -56,14 +56,14 @@ class Remedies:
 
     def takers(self, event: When, ctx: Context, names: Optional[Iterable[str]] = None) -> List[Remedy]:
         """The switched-on remedies that take ``event`` (among ``names`` where given; for a class at the restore
-        events, those serving it) and match ``ctx``."""
+        events, those serving or assisting it) and match ``ctx``."""
         chosen = None if names is None else set(names)
         out = []
         for r in self._by_event[event]:
             if not r.enabled or (chosen is not None and r.name not in chosen):
                 continue
             if chosen is None and event in (When.BEFORE_RESTORE, When.RESTORE, When.AFTER_RESTORE) and (
-                    ctx.cls is None or ctx.cls.cause not in r.causes):
+                    ctx.cls is None or ctx.cls.cause not in r.causes + r.assists):
                 continue
             if r.match(ctx):
                 out.append(r)
@@ -88,8 +88,10 @@ class Remedies:
         return Outcome(tuple(changes), evidence, signals, cause, exclude or None)
 
     def serves(self, cause: Cause) -> bool:
-        """Whether any switched-on remedy acts on ``cause``."""
-        return any(self.by_name[n].enabled for n in serving(cause, self.ladder) if n in self.by_name)
+        """Whether any switched-on remedy acts on ``cause`` (the rollback, which every class that rolls back takes,
+        is no answer to one by itself)."""
+        return any(self.by_name[n].enabled and When.RESTORE not in self.by_name[n].events
+                   for n in serving(cause, self.ladder) if n in self.by_name)
 
     # ------------------------------------------------------------------ state, in one generic pass
     def _part(self, r: Remedy, state: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -128,6 +128,9 @@ class Remedy:
         name: its ``remedies=`` name (how logs, records, docs and the registry call it).
         causes: the incident classes it serves at :attr:`When.BEFORE_RESTORE` / :attr:`When.AFTER_RESTORE` (the
             dynamics class's remedies are the ladder's rungs: ``ladder=``). Other events are for any class.
+        assists: classes it acts on at those events only beside the remedies that serve them, where its
+            :meth:`match` finds the evidence for it; it serves none of them (without their own remedies switched
+            on, such a class counts as unserved). Defaults to ().
         events: the events it takes; it is called for no other.
         switch: ``'remedies'`` (on when ``remedies=`` names it) or the name of the bool setting that switches it.
         settings: its settings (the hook's arguments it adds), validated and documented here.
@@ -147,6 +150,7 @@ class Remedy:
 
     name: str = ""
     causes: Tuple[Cause, ...] = ()
+    assists: Tuple[Cause, ...] = ()
     events: Tuple[When, ...] = ()
     switch: str = "remedies"
     settings: Tuple[Setting, ...] = ()

@@ -3,7 +3,7 @@ import math
 from typing import Any, Dict, Iterable, List, Mapping
 
 from ..causes import Cause
-from ..validate import Setting, is_int, is_number
+from ..validate import Setting, is_bool, is_int, is_number
 from .base import Change, ConfigEntry, Context, Remedy, When
 
 __all__ = ["scale_lr", "LrBackoff"]
@@ -91,6 +91,11 @@ class LrBackoff(Remedy):
     """The ladder's second rung: every learning rate (and schedule) times ``lr_backoff``. It lasts: a restore to a
     state from before a backoff brings that state's rates back to the run's factor (its restore tag).
 
+    It also answers a forward overflow whose replay shows the weights grew into it (``weights_grew``: the same batch
+    stays finite in fp16 on the healthy weights), beside the fp32 remedy: the module in fp32 stops the overflow,
+    the lower rate stops the growth that led there (``lr_on_overflow``; docs/demo.md measures both). An overflow
+    that the healthy weights show too is the batch's or the architecture's: no learning-rate change.
+
     With ``lr_rewarm=N`` (0: never) it gives the rate back once the run is stable again: after N healthy iterations
     in a row (a rollback starts the count again) the factor is divided by ``lr_backoff`` (never above 1), then again
     after N more, until the schedule's own rate is back. Trouble that returns meets the ladder as before (a new chain
@@ -100,9 +105,14 @@ class LrBackoff(Remedy):
     name = "lr"
     label = "learning rate x {lr_backoff:g} (schedules too)"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
+    assists = (Cause.FORWARD_OVERFLOW,)
     events = (When.AFTER_RESTORE, When.RESTORED, When.HEALTHY)
     settings = (Setting("lr_backoff", 0.5, is_number(0.0, 1.0), "learning-rate factor of the dynamics ladder's "
                         "second rung (every param group and schedule)."),
+                Setting("lr_on_overflow", True, is_bool, "a forward overflow whose batch stays finite in fp16 on "
+                        "the healthy weights (the weights grew into it: the learning rate drove them there) also "
+                        "backs the learning rate off by ``lr_backoff``, beside the module in fp32; False: the module "
+                        "in fp32 only (docs/demo.md measures both)."),
                 Setting("lr_rewarm", 0, is_int(0), "healthy iterations in a row after a learning-rate backoff "
                         "before the rate is raised again by ``1 / lr_backoff`` toward the schedule's (never above "
                         "it); 0: a backoff lasts the run (docs/demo.md measures both)."))
@@ -126,6 +136,8 @@ class LrBackoff(Remedy):
     def match(self, ctx: Context) -> bool:
         if ctx.event == When.HEALTHY:  # every healthy step: host numbers only
             return self.config.lr_rewarm > 0 and self.lr_factor < 1.0
+        if ctx.event == When.AFTER_RESTORE and ctx.cls is not None and ctx.cls.cause == Cause.FORWARD_OVERFLOW:
+            return self.config.lr_on_overflow and bool(ctx.cls.signals.get("weights_grew"))
         return ctx.event != When.RESTORED or ctx.io.restores_lr()
 
     def apply(self, ctx: Context) -> List[Change]:
