@@ -108,7 +108,7 @@ class LrBackoff(Remedy):
     assists = (Cause.FORWARD_OVERFLOW,)
     events = (When.AFTER_RESTORE, When.RESTORED, When.HEALTHY)
     settings = (Setting("lr_backoff", 0.5, is_number(0.0, 1.0), "learning-rate factor of the dynamics ladder's "
-                        "second rung (every param group and schedule)."),
+                        "second rung and of ``lr_on_overflow`` (every param group and schedule)."),
                 Setting("lr_on_overflow", True, is_bool, "a forward overflow whose batch stays finite in fp16 on "
                         "the healthy weights (the weights grew into it: the learning rate drove them there) also "
                         "backs the learning rate off by ``lr_backoff``, beside the module in fp32; False: the module "
