@@ -148,4 +148,3 @@ def test_full_dynamics_guarded_run_backs_the_rate_off_where_the_weights_grew_int
     assert grew and all(rec["cause"]["signals"]["weights_grew"] for rec in grew), _why(r)
     assert r.lr_factor <= 0.5 and "the weights grew into the overflow" in grew[0]["cause"]["evidence"]
     assert full_demo["data_burst"]["guarded"].lr_factor == 1.0, _why(full_demo["data_burst"]["guarded"])
-

@@ -282,8 +282,8 @@ def test_lr_assists_a_forward_overflow_only_where_the_weights_grew_into_it():
     assert not no_fp32.enabled(Cause.FORWARD_OVERFLOW)  # the rollback alone is no answer (it was, before)
     c, changes = no_fp32.before_restore(grew, FakeIO(), [], 1)
     assert c.cause == Cause.DYNAMICS and "the fp32 remedy is off: the ladder instead" in c.evidence and changes
-    assert "grew into the overflow" in CausePolicy(GuardConfig(lr_backoff=0.25)).action_text(Cause.FORWARD_OVERFLOW)
-    assert "x 0.25" in CausePolicy(GuardConfig(lr_backoff=0.25)).action_text(Cause.FORWARD_OVERFLOW)
+    action = CausePolicy(GuardConfig(lr_backoff=0.25)).action_text(Cause.FORWARD_OVERFLOW)
+    assert "grew into the overflow" in action and "x 0.25" in action
 
 
 def test_temporal_reset_and_rollback_switch():
