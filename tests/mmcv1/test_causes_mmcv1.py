@@ -111,20 +111,24 @@ def test_sample_breaking_every_epoch_is_quarantined_once_and_named(tmp_path):
 @pytest.mark.parametrize("lr_on_overflow", [True, False])
 def test_a_too_high_rate_growing_the_logits_into_fp16_overflow_gets_fp32_and_a_lower_rate(tmp_path, lr_on_overflow):
     # Nothing planted: at lr 0.1 the cross attention's logits (gain 2e4) overflow fp16 on the start weights, and
-    # after that is in fp32 the decoder layer's FFN grows until its fp16 forward overflows (iteration 25). Each
-    # overflow's replay says whether the same batch is finite on the healthy weights: the start weights overflow
-    # too (no rate change), the later one is finite on the snapshot (the weights grew into it): the decoder layer
-    # goes to fp32 and, by default, the rate x 0.5 in the optimizer and MMCV's LrUpdaterHook bases.
+    # after that is in fp32 the decoder layer's FFN grows until its fp16 forward overflows. Each overflow's replay
+    # says whether the same batch is finite on the healthy weights: the start weights overflow too (no rate change),
+    # the later one is finite on the snapshot (the weights grew into it): the decoder layer goes to fp32 and, by
+    # default, the rate x 0.5 in the optimizer and MMCV's LrUpdaterHook bases. When the FFN overflows is emergent
+    # numerics (iteration 25 or 26 with this CPU's kernels, AVX-512 or AVX2 or the portable ones): asserted is the
+    # order and the answers, never the iteration.
     wd = str(tmp_path)
     r = build(wd, IdentifiedDataset(N, num_query=16), runner="iter", max_iters=40, lr=0.1,
               model_kwargs=dict(layer_cfg=overflow_layer_cfg(logit_gain=2e4)),
               guard=dict(lr_on_overflow=lr_on_overflow))
     run(r)
     assert r.iter == 40 and params_finite(r)
-    records = divergences(wd)
-    assert records and all(rec["cause"]["cause"] == "forward_overflow" for rec in records)
+    records = sorted(divergences(wd), key=lambda rec: rec["iteration"])
+    seen = [(rec["iteration"], rec["cause"]["signals"].get("weights_grew")) for rec in records]
+    assert records and all(rec["cause"]["cause"] == "forward_overflow" for rec in records), seen
+    assert records[0]["cause"]["signals"]["weights_grew"] is False, seen  # the start weights overflow too
     grew = [rec for rec in records if rec["cause"]["signals"]["weights_grew"]]
-    assert len(grew) == 1 and grew[0]["iteration"] == 25, [(rec["iteration"], rec["cause"]) for rec in records]
+    assert len(grew) == 1 and grew[0]["iteration"] > records[0]["iteration"], seen
     assert "the same batch stays finite in fp16: the weights grew into the overflow" in grew[0]["cause"]["evidence"]
     lr_targets = ["optimizer0.group0.lr", "optimizer0.group0.initial_lr", "FixedLrUpdaterHook.base_lr",
                   "FixedLrUpdaterHook.regular_lr"]
