@@ -41,6 +41,7 @@ from ..core.guard import NanGuard
 from ..core.port import GuardIO, RunConfig
 from ..core.records import INCIDENT_EVENTS, INCIDENT_FILE, Event
 from ..core.recovery.restore import check_checkpoint, checkpoint_finite
+from ..core.watch.health import by_design
 
 __all__ = ["PATCHED_CONFIG_FILE", "STATE_KEY", "GuardDriver", "DrivenHook", "write_config_fix", "unwritable",
            "check_work_dir"]
@@ -141,7 +142,7 @@ class GuardDriver:
             checkpoint: the dict being saved (edited in place).
             refill: rewrites ``checkpoint`` from the live state after a recovery, given the completed iterations.
         """
-        if not checkpoint_finite(checkpoint):
+        if not checkpoint_finite(checkpoint, by_design(self.io.model())):
             if is_distributed():
                 # Saves run on rank 0 alone, where no collective may run; after_iter already checked this state
                 # on every rank, so this save comes from outside the train loop: refuse it.
@@ -154,7 +155,7 @@ class GuardDriver:
     def after_load(self, checkpoint: Dict[str, Any], resuming: bool, state: Optional[Dict[str, Any]]) -> None:
         """A checkpoint was loaded: refuse a non-finite one; on ``resume`` take the guard's state from it."""
         try:
-            check_checkpoint(checkpoint, "the checkpoint being loaded")
+            check_checkpoint(checkpoint, "the checkpoint being loaded", by_design(self.io.model()))
         except UnsafeCheckpointError:
             self.io.log("NanGuard: refusing a non-finite checkpoint", "error")
             raise

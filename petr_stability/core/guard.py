@@ -27,8 +27,8 @@ from .recovery.snapshot import Snapshot
 from .remedies.base import Remedy, When
 from .watch.agreement import StepAgreement
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
-from .watch.health import nonfinite_attributes, state_finite
-from .watch.spikes import GradNormMonitor
+from .watch.health import HealthChecks
+from .watch.spikes import GradNormMonitor, StabilityWatch
 
 __all__ = ["NanGuard", "skip_kind", "publish"]
 
@@ -87,9 +87,13 @@ class NanGuard:
         self.batches = BatchWatch(io)
         self.chain = IncidentChain(config, io, self.points, self.policy, self.batches, self.incidents.path)
         self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
+        #: Healthy means stable: an applied step whose loss or grad_norm leaves the run's band confirms no snapshot.
+        self.stability = StabilityWatch(config.stability_window, config.stability_z, config.stability_ratio,
+                                        config.stability_warmup)
         #: Each step's verdict agreed across ranks: under a process group one iteration later, off the critical path.
         self.agreement = StepAgreement()
-        self._bad_attributes: List[str] = []
+        #: The health checks each step gets (what holds -inf/+inf by design as the run starts is no incident).
+        self.checks = HealthChecks(io.model())
         #: Every record written since the driver last took them (:meth:`take_records`), on every rank.
         self.records: List[Dict[str, Any]] = []
 
@@ -145,6 +149,7 @@ class NanGuard:
         """Keeps the state the run starts from (before its first step, or right after resume): a restore point
         that exists before any snapshot is confirmed. Costs one snapshot of host memory."""
         iteration, epoch = self.io.completed(inside=False)
+        self.checks.capture_design(self.io.model())  # the run's start state (a resumed one included)
         self.points.start = self.points.take(iteration, epoch, recycle=False, generation=self.recoveries,
                                              tags=self.policy.tags())
 
@@ -156,6 +161,7 @@ class NanGuard:
             **self.policy.state_dict(),
             "detector": self.detector.state_dict(),
             "spikes": self.spikes.state_dict(),
+            "stability": self.stability.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -164,6 +170,7 @@ class NanGuard:
         self.policy.load_state_dict(state)
         self.detector.load_state_dict(state.get("detector", {}))
         self.spikes.load_state_dict(state.get("spikes", {}))
+        self.stability.load_state_dict(state.get("stability", {}))
 
     def summary(self) -> Dict[str, Any]:
         """What the guard did so far in this run, for reports, the demo and the patched config (JSON-ready; the
@@ -192,7 +199,7 @@ class NanGuard:
         snapshot_due = reading.stepped and (len(self.points.ring) == 0
                                             or iteration % self.config.snapshot_interval == 0)
         self._check(signals, snapshot_due)
-        step = _Step(signals, self.detector.observe(signals), reading, snapshot_due, epoch)
+        step = _Step(signals, self._judge(signals, self.detector.observe(signals)), reading, snapshot_due, epoch)
         if step.decision.streak_start and signals.weights_finite is True:
             # Trouble starts: the first skipped step of a streak left the last applied step's weights, checked finite.
             step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
@@ -216,9 +223,10 @@ class NanGuard:
         signals, decision, reading = step.signals, step.decision, step.reading
         if agreed != decision.verdict:
             decision = Decision(agreed, f"another rank reported {agreed.name} ({decision.reason or 'here: healthy'})")
-        if agreed == Verdict.HEALTHY:
+        if agreed in (Verdict.HEALTHY, Verdict.UNSTABLE):
             if reading.stepped:
-                self._on_healthy(reading.grad_norm, signals.iteration, step.snapshot_due, step.snapshot)
+                self._on_healthy(signals, agreed == Verdict.HEALTHY, decision.reason, step.snapshot_due,
+                                 step.snapshot)
         elif agreed == Verdict.OVERFLOW:
             if step.snapshot is not None and step.snapshot.at_trouble:
                 self.points.ring.add(step.snapshot)  # where the trouble started: bad data's restore point
@@ -227,6 +235,7 @@ class NanGuard:
             self._run(self._incident(Entry.STALL, signals, decision, inside, step.epoch))
         else:
             self._run(self._incident(Entry.DIVERGENCE, signals, decision, inside, step.epoch))
+        # A step out of the stable band is no batch known to be good (the counterfactual's), though it trained.
         self.batches.end(signals.iteration, healthy=agreed == Verdict.HEALTHY and reading.stepped,
                          stepped=reading.stepped)
         return decision
@@ -254,23 +263,34 @@ class NanGuard:
 
     def _check(self, signals: StepSignals, snapshot_due: bool) -> None:
         """The health checks this step gets: at once when suspicious, on snapshot and save steps, then routinely."""
+        full = signals.suspicious or snapshot_due or self.io.health_check_due()
         if signals.suspicious:
             signals.loss_scale = self.io.loss_scale()
-            signals.weights_finite = self._healthy(optimizer=True)
-        elif snapshot_due or self.io.health_check_due():
-            signals.weights_finite = self._healthy(optimizer=True)
-        elif signals.iteration % self.config.check_interval == 0:
-            signals.weights_finite = self._healthy(optimizer=False)
+        if full or signals.iteration % self.config.check_interval == 0:
+            signals.weights_finite = self.checks.healthy(self.io.model(), self.io.optimizers() if full else None,
+                                                         self.io.log)
         if signals.loss_scale is None and signals.weights_finite is not None:
             # A check already waited for the device here: publish the scale too, for the logs and the report.
             signals.loss_scale = self.io.loss_scale()
 
-    def _on_healthy(self, grad_norm: Optional[float], iteration: int, snapshot_due: bool,
+    def _judge(self, signals: StepSignals, decision: Decision) -> Decision:
+        """A step the detector calls healthy, judged against the run's stable band (watch/spikes.py)."""
+        if decision.verdict != Verdict.HEALTHY or not signals.stepped:
+            return decision
+        why = self.stability.judge(signals.loss, signals.grad_norm)
+        return decision if why is None else Decision(Verdict.UNSTABLE, why)
+
+    def _on_healthy(self, signals: StepSignals, stable: bool, why: str, snapshot_due: bool,
                     taken: Optional[Snapshot] = None) -> None:
-        self._watch_grad_norm(grad_norm, iteration)
-        self.policy.on_healthy(self.io, self.spikes, iteration)
-        self.points.ring.tick()
-        self.chain.close_if_held()
+        iteration = signals.iteration
+        self._watch_grad_norm(signals.grad_norm, iteration)
+        if self.stability.update(signals.loss, signals.grad_norm, not stable, iteration):
+            self.io.log(f"NanGuard: trouble at iter {iteration}: {why}; no snapshot is confirmed until "
+                        f"{self.config.confirm_steps} stable steps in a row follow it", "warning")
+        self.points.ring.tick(stable)
+        if stable:
+            self.policy.on_healthy(self.io, self.spikes, iteration)
+            self.chain.close_if_held()
         if taken is not None:  # taken at its own iteration, its verdict agreed healthy since
             self.points.ring.add(taken)
         elif snapshot_due:
@@ -286,21 +306,6 @@ class NanGuard:
         if warning:
             self.io.log(f"NanGuard: early warning: {warning}", "warning")
 
-    def _healthy(self, optimizer: bool) -> bool:
-        model = self.io.model()
-        if not state_finite(model, self.io.optimizers() if optimizer else ()):
-            return False
-        if optimizer:
-            # Tensors modules hold as plain attributes (StreamPETR's memory queue): outside state_dict(), hidden by
-            # PETR's nan_to_num, and carried into every later step. Checked with the full checks only (cheap).
-            bad = nonfinite_attributes(model)
-            self._bad_attributes = bad
-            if bad:
-                self.io.log(f"NanGuard: non-finite values in module attributes outside the state dict: "
-                            f"{', '.join(bad[:5])}", "warning")
-                return False
-        return True
-
     # ------------------------------------------------------------------ recovery
     def _incident(self, entry: Entry, signals: StepSignals, decision: Decision, inside: bool,
                   epoch: Optional[int] = None, kind: str = "") -> Incident:
@@ -309,7 +314,7 @@ class NanGuard:
         data_epoch = self.batches.epoch_of(signals.iteration) if entry == Entry.SKIP else None
         epoch = now_epoch if epoch is None else epoch
         return Incident(signals, decision, inside, signals.iteration, epoch, self.batches.batch, self.batches.rng,
-                        list(self._bad_attributes), entry=entry, kind=kind,
+                        list(self.checks.bad_attributes), entry=entry, kind=kind,
                         data_epoch=epoch if data_epoch is None else data_epoch, acted_at=acted_at)
 
     def _run(self, incident: Incident) -> Incident:

@@ -5,6 +5,7 @@ out of the batch; :func:`resolve_indices` maps ids back to dataset indices where
 :func:`suspect_rows` names the samples of a batch that hold non-finite (or, under fp16, out-of-range) values
 themselves. Torch only: MMEngine's data samples and MMCV 1.x's ``DataContainer`` are duck-typed.
 """
+import re
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -12,13 +13,24 @@ import torch
 from .fp16 import FP16_MAX, reaches_fp16
 from .wrappers import infos_of, resolve
 
-__all__ = ["ID_KEYS", "key", "sample_ids", "info_ids", "named_samples", "suspect_rows", "indices_of", "resolve_indices"]
+__all__ = ["MASK_NAME", "is_mask_name", "ID_KEYS", "key", "sample_ids", "info_ids", "named_samples", "suspect_rows",
+           "indices_of", "resolve_indices"]
 
 #: Keys that identify a sample, in the order the incident record lists them: the dataset index (``idx`` and
 #: ``dataset_index`` are read as ``index``), mmdet3d's ``sample_idx`` (an int in mmdet3d 1.x, the nuScenes sample
 #: token in megvii PETR and StreamPETR), the nuScenes ``token`` and StreamPETR's ``scene_token``.
 ID_KEYS: Tuple[str, ...] = ("index", "sample_idx", "token", "scene_token")
 _ALIASES = {"idx": "index", "dataset_index": "index"}
+
+
+#: Argument and batch-key names that carry an attention mask or an additive attention bias: ``attn_mask``,
+#: ``src_mask``, ``memory_key_padding_mask``, ``key_padding_mask``, ``mask``, ``attn_bias``, ``attention_bias``.
+MASK_NAME = re.compile(r"(^|_)mask($|_)|(^|_)masks($|_)|(^|_)attn_bias$|(^|_)attention_bias$")
+
+
+def is_mask_name(name: Any) -> bool:
+    """Whether an argument or batch key called ``name`` carries an attention mask (or an additive attention bias)."""
+    return isinstance(name, str) and bool(MASK_NAME.search(name.lower()))
 
 
 def key(index: Any) -> Any:
@@ -170,8 +182,9 @@ def _row_tensors(obj: Any, count: int, depth: int = 0) -> Iterator[Tuple[int, to
             yield from enumerate(obj.unbind(0))
         return
     if isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _row_tensors(value, count, depth + 1)
+        for name, value in obj.items():
+            if not is_mask_name(name):  # a mask's -inf is by design (watch/health.py); its NaN is checked by the replay
+                yield from _row_tensors(value, count, depth + 1)
     elif isinstance(obj, (list, tuple)):
         # One tensor per sample (MMEngine's pseudo_collate), unless every item is itself batched along its first
         # dimension (default_collate of (x, y) tuples gives [x, y]): then each item is read row by row.
@@ -188,7 +201,8 @@ def _row_tensors(obj: Any, count: int, depth: int = 0) -> Iterator[Tuple[int, to
 def suspect_rows(batch: Any, count: int, fp16: bool) -> List[int]:
     """The rows (sample positions) of a batch of ``count`` samples whose own values are non-finite, or beyond fp16's
     range when the step ran in fp16 (a raw 16-bit pixel becomes Inf under autocast; float64 values, timestamps in
-    seconds, never reach fp16 code: :func:`~.fp16.reaches_fp16`). Every row where every row is bad (a batch of one
+    seconds, never reach fp16 code: :func:`~.fp16.reaches_fp16`); an attention mask the batch carries is not its
+    values (:mod:`~.watch.health`). Every row where every row is bad (a batch of one
     sample included: its own values are the evidence); empty where none is. Reads the batch where it lives (on the
     host, as loaders give it); called on steps that already went wrong, never on healthy ones."""
     if count < 1 or batch is None:

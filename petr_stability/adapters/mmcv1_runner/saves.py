@@ -15,7 +15,7 @@ from mmcv.runner import save_checkpoint as mmcv_save_checkpoint
 from ...core.distributed import get_rank
 from ...core.recovery.restore import checkpoint_finite
 from ...core.safe_load import safe_load
-from ...core.watch.health import state_finite
+from ...core.watch.health import by_design, state_finite
 from ..driver import STATE_KEY
 
 __all__ = ["SaveWatch"]
@@ -103,7 +103,7 @@ class SaveWatch:
         good = None
         for path in self.io.checkpoint_files():
             try:
-                if checkpoint_finite(safe_load(path, extra_globals=())):
+                if checkpoint_finite(safe_load(path, extra_globals=()), by_design(self.io.model())):
                     good = path
                     break
             except Exception:  # a foreign or truncated file is simply not a candidate

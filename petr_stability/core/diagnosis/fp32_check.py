@@ -8,7 +8,7 @@ from torch import nn
 
 from ..flags import HAS_FORWARD_PRE_HOOK_KWARGS
 from ..remedies.fp32 import force_fp32, release_fp32
-from .recorder import FP16_MAX, max_abs, max_abs_in_fp16_reach, num
+from .recorder import FP16_MAX, mask_ok, max_abs, max_abs_in_fp16_reach, num, split_masks
 from .sandbox import capture_rng, rank_local, restore_rng
 
 __all__ = ["fp32_check"]
@@ -38,7 +38,7 @@ def _record_path(model: nn.Module, names: Dict[nn.Module, str], forward: Callabl
     handles = []
 
     def pre(module: nn.Module, args: Any, kwargs: Any = None) -> None:
-        if where == "input" and module is target and not path and not math.isfinite(max_abs((args, kwargs))):
+        if where == "input" and module is target and not path and not _inputs_as_designed(module, args, kwargs):
             path.extend(stack[::-1])  # the calls whose code made this input, from the inside out
             raise _Found()
         stack.append((module, args, kwargs, capture_rng()))
@@ -72,9 +72,17 @@ def _record_path(model: nn.Module, names: Dict[nn.Module, str], forward: Callabl
     return path
 
 
+def _inputs_as_designed(module: nn.Module, args: Any, kwargs: Any) -> bool:
+    """A call's inputs finite, but for the -inf/+inf of the masks passed to it (:mod:`~..watch.health`)."""
+    values, masks = split_masks(module, args, kwargs)
+    return math.isfinite(max_abs(values)) and all(mask_ok(t) for _, t in masks)
+
+
 def _run_alone_in_fp32(module: nn.Module, name: str, args: Any, kwargs: Any, rng: Mapping[str, Any]) -> Dict:
     """One recorded call re-run under :func:`~..remedies.fp32.force_fp32`: its inputs' and output's max |x|."""
-    inputs = max_abs_in_fp16_reach((args, kwargs))
+    values, masks = split_masks(module, args, kwargs)
+    # A mask's -inf is by design (watch/health.py): the inputs in fp16's reach are the rest; a NaN mask is not.
+    inputs = max_abs_in_fp16_reach(values) if all(mask_ok(t) for _, t in masks) else math.nan
     entry: Dict[str, Any] = {"module": name, "type": type(module).__name__, "inputs_max_abs": num(inputs),
                              "inputs_within_fp16": math.isfinite(inputs) and inputs <= FP16_MAX}
     try:

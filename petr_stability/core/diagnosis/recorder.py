@@ -1,18 +1,75 @@
 """The replay's hooks: every module's inputs, outputs and gradients checked in execution order, read in one go; and the
-small value helpers every replay shares (fp16's range, max |x| over nested tensors, JSON-safe numbers)."""
+small value helpers every replay shares (fp16's range, max |x| over nested tensors, JSON-safe numbers, which inputs are
+attention masks: their -inf is by design, docs/how-it-works.md)."""
+import inspect
 import math
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..flags import HAS_FORWARD_PRE_HOOK_KWARGS
 from ..fp16 import FP16_MAX, reaches_fp16
+from ..samples import MASK_NAME
 from ..tree import iter_tensors
 
-__all__ = ["FP16_MAX", "tensors", "max_abs", "max_abs_in_fp16_reach", "num", "EXPLAIN", "Check", "Recorder", "largest",
-           "nonfinite_params"]
+__all__ = ["mask_ok", "split_masks", "FP16_MAX", "tensors", "max_abs",
+           "max_abs_in_fp16_reach", "num", "EXPLAIN", "Check", "Recorder", "largest", "nonfinite_params"]
+
+_SIGNATURES: Dict[Any, Optional[inspect.Signature]] = {}
+
+
+def mask_ok(t: torch.Tensor) -> bool:
+    """A mask's values as designed: anything but NaN (``-inf`` bars a position; ``+inf`` is as deliberate)."""
+    return not (t.is_floating_point() or t.is_complex()) or not bool(torch.isnan(t).any())
+
+
+def _signature(module: nn.Module) -> Optional[inspect.Signature]:
+    kind = type(module)
+    if kind not in _SIGNATURES:
+        try:
+            _SIGNATURES[kind] = inspect.signature(module.forward)
+        except (TypeError, ValueError):  # a builtin or C-level forward: only keyword arguments are named then
+            _SIGNATURES[kind] = None
+    return _SIGNATURES[kind]
+
+
+def split_masks(module: nn.Module, args: Any, kwargs: Optional[Mapping[str, Any]]
+                ) -> Tuple[Tuple[Any, Dict[str, Any]], List[Tuple[str, torch.Tensor]]]:
+    """A module call's inputs without its masks, and the masks by argument name (:data:`~..samples.MASK_NAME`).
+
+    Positional arguments are named by the module's ``forward`` signature (``nn.TransformerEncoderLayer``'s
+    ``src_mask`` may come positionally); keyword arguments by their keys.
+
+    Returns:
+        ``((args, kwargs), masks)``: the arguments that are not masks (those passed positionally replaced by None,
+        so positions keep their meaning), and ``[(name, tensor), ...]`` for every tensor passed as a mask.
+    """
+    kwargs = dict(kwargs or {})
+    args = tuple(args) if isinstance(args, (list, tuple)) else (args,)
+    masks: List[Tuple[str, torch.Tensor]] = []
+    names: List[Optional[str]] = [None] * len(args)
+    sig = _signature(module)
+    if sig is not None:
+        params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names[:len(params)] = [p.name for p in params[:len(args)]]
+    kept_args = []
+    for name, value in zip(names, args):
+        if isinstance(name, str) and MASK_NAME.search(name.lower()) and isinstance(value, torch.Tensor):
+            masks.append((name, value))
+            kept_args.append(None)
+        else:
+            kept_args.append(value)
+    kept_kwargs = {}
+    for key, value in kwargs.items():
+        if MASK_NAME.search(key.lower()) and isinstance(value, torch.Tensor):
+            masks.append((key, value))
+        else:
+            kept_kwargs[key] = value
+    return (tuple(kept_args), kept_kwargs), masks
+
+
 
 def tensors(obj: Any) -> Iterator[torch.Tensor]:
     """The floating tensors inside ``obj`` that hold values (the core's one walker; empty ones have no max)."""
@@ -54,11 +111,13 @@ EXPLAIN = {
 class Check:
     """One observed tensor: where it was seen and its max |x| (a 0-dim tensor until read, then a float)."""
 
-    __slots__ = ("module", "kind", "where", "detail", "phase", "dtype", "key", "value")
+    __slots__ = ("module", "kind", "where", "detail", "phase", "dtype", "key", "value", "designed")
 
     def __init__(self, module: str, kind: str, where: str, detail: str, phase: str, tensor: torch.Tensor,
-                 key: int = 0) -> None:
+                 key: int = 0, designed: bool = False) -> None:
         self.module, self.kind, self.where, self.detail, self.phase, self.key = module, kind, where, detail, phase, key
+        #: A mask passed as an input (:mod:`~..watch.health`): -inf/+inf there is by design, NaN is not.
+        self.designed = designed
         self.dtype = str(tensor.dtype).replace("torch.", "")
         # max |x| is NaN or Inf iff some element is; no host read here, so the re-run runs at full speed.
         self.value: Any = tensor.detach().abs().amax().float()
@@ -98,9 +157,10 @@ class Recorder:
             handle.remove()
         self.handles = []
 
-    def _add(self, module: nn.Module, where: str, detail: str, tensor: torch.Tensor, key: int = 0) -> None:
+    def _add(self, module: nn.Module, where: str, detail: str, tensor: torch.Tensor, key: int = 0,
+             designed: bool = False) -> None:
         self.checks.append(Check(self.names.get(module, "?"), self.kinds.get(module, type(module).__name__), where,
-                                  detail, self.phase, tensor, key))
+                                  detail, self.phase, tensor, key, designed))
 
     def _grad_fn(self, module: nn.Module, where: str, detail: str, key: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -118,8 +178,12 @@ class Recorder:
         # already checked in the forward, so only its gradients (which exist only now, for a reentrant
         # checkpoint that ran its first forward under no_grad) are watched.
         if self.phase == "forward":
-            for t in tensors((args, kwargs)):
+            values, masks = split_masks(module, args, kwargs)
+            for t in tensors(values):
                 self._add(module, "input", "", t)
+            for name, t in masks:
+                if t.numel() and t.is_floating_point():
+                    self._add(module, "input", name, t, designed=True)
             for pname, p in module.named_parameters(recurse=False):
                 if p.is_floating_point() and p.numel():
                     self._add(module, "parameter", pname, p)
@@ -146,7 +210,7 @@ class Recorder:
     def first_nonfinite(self, phase: str) -> Optional[Check]:
         checks = [c for c in self.checks if c.phase == phase]
         for i, check in enumerate(checks):
-            if math.isfinite(check.value):
+            if math.isfinite(check.value) or (check.designed and not math.isnan(check.value)):
                 continue
             if check.where == "grad_output":
                 # Hooks on one tensor fire together: the module whose backward made that gradient (a consumer

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..samples import named_samples
-from ..watch.health import nonfinite_attributes
+from ..watch.health import nonfinite_attributes, nonfinite_buffers
 from .recorder import nonfinite_params
 from .replay import total_loss
 from .sandbox import ModelState, capture_rng, rank_local, restore_rng, unwrap
@@ -40,10 +40,9 @@ Window = Sequence[Tuple[int, Optional[Sequence[int]]]]
 
 
 def poisoned_state(model: nn.Module) -> List[str]:
-    """Names of the floating buffers and plain-attribute tensors of ``model`` holding NaN/Inf (empty: clean)."""
-    bad = [name for name, b in model.named_buffers()
-           if b.is_floating_point() and b.numel() and not bool(torch.isfinite(b).all())]
-    return bad + nonfinite_attributes(model)
+    """Names of the floating buffers and plain-attribute tensors of ``model`` holding NaN/Inf (empty: clean), but for
+    those non-finite by design (:mod:`~..watch.health`)."""
+    return nonfinite_buffers(model) + nonfinite_attributes(model)
 
 
 class _Replayer:

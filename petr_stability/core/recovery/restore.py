@@ -8,7 +8,7 @@ path's, never are).
 import uuid
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ from .. import distributed
 from ..errors import UnsafeCheckpointError
 from ..port import GuardIO, Payload
 from ..tree import iter_tensors, nbytes
-from ..watch.health import all_finite, first_nonfinite
+from ..watch.health import ByDesign, all_finite, by_design, first_nonfinite, state_dict_finite
 from .snapshot import Snapshot, SnapshotRing, copies_done, copy_to_host
 
 __all__ = ["RESTORE_ORDER", "RestorePoints", "checkpoint_finite", "check_checkpoint"]
@@ -34,19 +34,23 @@ RESTORE_ORDER = (
 )
 
 
-def checkpoint_finite(checkpoint: Dict[str, Any]) -> bool:
-    """The one "is this checkpoint finite" rule: its model weights and its optimizer state."""
-    return all_finite(iter_tensors(checkpoint.get("state_dict", checkpoint))) and all_finite(
+def checkpoint_finite(checkpoint: Dict[str, Any], design: Optional[ByDesign] = None) -> bool:
+    """The one "is this checkpoint finite" rule: its model weights and its optimizer state, but for the model's
+    entries non-finite by design (``design``: a causal ``-inf`` mask buffer, unchanged since the run's start)."""
+    weights = checkpoint.get("state_dict", checkpoint)
+    return state_dict_finite(weights if isinstance(weights, Mapping) else {}, design) and all_finite(
         iter_tensors(checkpoint.get("optimizer", {})))
 
 
-def check_checkpoint(checkpoint: Dict[str, Any], what: str) -> None:
+def check_checkpoint(checkpoint: Dict[str, Any], what: str, design: Optional[ByDesign] = None) -> None:
     """Raises :class:`~..errors.UnsafeCheckpointError` if a checkpoint's model or optimizer tensors are not all
-    finite (a checkpoint being saved or loaded)."""
-    if checkpoint_finite(checkpoint):
+    finite, but for the entries non-finite by design (a checkpoint being saved or loaded)."""
+    if checkpoint_finite(checkpoint, design):
         return
+    design = design if design is not None else ByDesign()
     bad = first_nonfinite(
-        (k, v) for k, v in dict(checkpoint.get("state_dict", {})).items() if isinstance(v, torch.Tensor))
+        (k, v) for k, v in dict(checkpoint.get("state_dict", {})).items()
+        if isinstance(v, torch.Tensor) and not design.allows(str(k), v))
     raise UnsafeCheckpointError(
         f"{what} holds non-finite values (first: {bad or 'optimizer state'}); refusing to use it. "
         "Pick an earlier checkpoint; the incident log in the work dir says when training diverged.")
@@ -231,7 +235,9 @@ class RestorePoints:
 
     def _read_own_checkpoint(self, now: int, tried: Set[str]) -> Optional[Payload]:
         for _, path, payload in sorted(self._candidates(now, tried), key=lambda c: c[0], reverse=True):
-            if all_finite(iter_tensors(payload.state)):
+            rest = {k: v for k, v in payload.state.items() if k != "state_dict"}
+            if state_dict_finite(payload.state.get("state_dict", {}), by_design(self.io.model())) and all_finite(
+                    iter_tensors(rest)):
                 return payload
             self.io.log(f"NanGuard: skipping checkpoint {path}: it holds non-finite values", "warning")
             tried.add(path)

@@ -124,8 +124,9 @@ class Snapshot:
         iteration: completed iterations when it was taken (restoring it sets the counter back).
         epoch: the epoch counter then.
         payload: the adapter's state dicts with every tensor on the host.
-        clean_steps: healthy optimizer steps seen since; it is *confirmed* once this reaches the ring's
-            ``confirm_steps`` (a state on a path that is already diverging is not a state to return to).
+        clean_steps: stable healthy optimizer steps in a row since (:meth:`SnapshotRing.tick`); it is *confirmed*
+            once this reaches the ring's ``confirm_steps`` (a state on a path that is already diverging, finite or not,
+            is not a state to return to).
         copied: the event that marks the end of its device-to-host copies (None when they were synchronous).
         generation: the guard's recovery count when it was taken (a confirmed snapshot of the current generation
             means the latest recovery held).
@@ -203,10 +204,15 @@ class SnapshotRing:
             self.snapshots.remove(victim)
         self.snapshots.append(snap)
 
-    def tick(self) -> None:
-        """One clean optimizer step happened."""
+    def tick(self, stable: bool = True) -> None:
+        """One clean optimizer step happened. An unstable one (finite, but its loss or grad_norm out of the run's
+        band: watch/spikes.py) confirms nothing and sends every unconfirmed snapshot back to zero clean steps:
+        healthy means ``confirm_steps`` stable steps in a row after it, not merely finite ones."""
         for snap in self.snapshots:
-            snap.clean_steps += 1
+            if stable:
+                snap.clean_steps += 1
+            elif not self.is_confirmed(snap):
+                snap.clean_steps = 0
 
     def newest_confirmed(self) -> Optional[Snapshot]:
         for snap in reversed(self.snapshots):

@@ -11,13 +11,16 @@ class Verdict(enum.IntEnum):
     """Outcome of one step, ordered by severity so that ranks agree by taking the maximum."""
 
     HEALTHY = 0
+    #: An applied, finite step whose loss or grad_norm left the run's stable band (watch/spikes.py): healthy to the
+    #: detector, trouble to the restore points (no snapshot is confirmed by it; its batch is no known-good one).
+    UNSTABLE = 1
     #: A skipped step the loss scaler (or, in fp32, the guard's skip) absorbed, or a non-finite loss whose
     #: gradients were finite: harmless on its own, counted toward ``patience``.
-    OVERFLOW = 1
+    OVERFLOW = 2
     #: A static loss scale is skipping every step: weights are intact but nothing trains.
-    STALLED = 2
+    STALLED = 3
     #: Training state is, or is about to be, poisoned: remedies and rollback are due.
-    DIVERGED = 3
+    DIVERGED = 4
 
 
 @dataclass

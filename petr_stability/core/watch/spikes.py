@@ -1,9 +1,23 @@
-"""A NaN-safe running z-score of grad_norm: spike warnings and an adaptive clip bound (pure Python, no torch)."""
-import math
-from collections import deque
-from typing import Any, Deque, Dict, Optional
+"""The run's own statistics of loss and grad_norm (pure Python on host floats, no torch): the stable band a healthy
+step stays in (:class:`StabilityWatch`), and a NaN-safe running z-score of grad_norm for spike warnings and an
+adaptive clip bound (:class:`GradNormMonitor`).
 
-__all__ = ["GradNormMonitor", "SPIKE_RATIO"]
+Healthy means stable: each applied step's loss and grad_norm against a robust band of the run's own recent history.
+
+A state is a restore point the replay may trust only when the steps after it were stable, not merely finite: a run
+whose training loss climbs into the thousands is finite for a while and already on its divergent path. The band is the
+median of the log values over a window, plus the larger of ``z`` robust standard deviations (the median absolute
+deviation, x 1.4826) and ``log(ratio)``: a step is unstable when its loss or grad_norm passes it, upwards only (a
+falling loss is what training does). Both tests must hold, as llm-foundry's ``KillLossSpike`` (a multiple of the
+window mean) and OLMo-core / torchtitan (a z-score) each use one: a z-score alone fires on a smooth loss's tiny
+noise, a ratio alone on grad_norm's heavy tail.
+"""
+import math
+import statistics
+from collections import deque
+from typing import Any, Deque, Dict, Iterable, Optional, Tuple
+
+__all__ = ["GradNormMonitor", "SPIKE_RATIO", "StabilityWatch", "MAD_SIGMA"]
 
 #: A spike is warned about when it is at least this many times the running mean, besides its z-score.
 SPIKE_RATIO = 3.0
@@ -125,3 +139,116 @@ class GradNormMonitor:
         self.count = int(state.get("count", len(self._values)))
         self.steps = int(state.get("steps", self.count))
         self.in_spike = bool(state.get("in_spike", False))
+
+
+#: The median absolute deviation of a normal distribution times this is its standard deviation.
+MAD_SIGMA = 1.4826
+
+
+class _Band:
+    """The window of one signal's log values and its upper bound."""
+
+    def __init__(self, window: int) -> None:
+        self.values: Deque[float] = deque(maxlen=window)
+        self._cached: Optional[Tuple[float, float]] = None  # (median, bound) of the values as they stand
+
+    def load(self, values: Iterable[float]) -> None:
+        self.values = deque(values, maxlen=self.values.maxlen)
+        self._cached = None
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+        self._cached = None
+
+    def stats(self, z: float, ratio: float) -> Tuple[float, float]:
+        """(median, upper bound) of the log values: read once per step however often asked."""
+        if self._cached is None:
+            median = statistics.median(self.values)
+            mad = statistics.median(abs(v - median) for v in self.values) * MAD_SIGMA
+            self._cached = (median, median + max(z * mad, math.log(ratio)))
+        return self._cached
+
+
+class StabilityWatch:
+    """Judges each applied step stable or not by the run's own history of loss and grad_norm.
+
+    :meth:`judge` reads a step (nothing changes); :meth:`update` adds it once its verdict is agreed (across ranks, the
+    most severe wins: a step one rank finds unstable is unstable on all). An unstable value enters the window at the
+    band's bound, not at its own size (as ZClip does), so an explosion does not widen the band it is judged by; a
+    level the run keeps moves the median up within half a window.
+
+    Args:
+        window: how many recent stable steps the band covers. Defaults to 50.
+        z: robust standard deviations above the median (log scale) before a value is out of band. Defaults to 6.0.
+        ratio: and at least this many times the median. Defaults to 4.0.
+        warmup: values needed before any step is judged (warm-up and the first iterations are stable). Defaults to
+            20.
+    """
+
+    def __init__(self, window: int = 50, z: float = 6.0, ratio: float = 4.0, warmup: int = 20) -> None:
+        for name, value, low in (("stability_window", window, 2), ("stability_warmup", warmup, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name, value, low in (("stability_z", z, 0.0), ("stability_ratio", ratio, 1.0)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low < value < math.inf):
+                raise ValueError(f"{name} must be a finite number > {low:g}, got {value!r}")
+        self.window, self.z, self.ratio, self.warmup = window, float(z), float(ratio), warmup
+        self.bands = {"loss": _Band(window), "grad_norm": _Band(window)}
+        self.seen = 0  #: stable-or-not applied steps added so far
+        self.unstable_steps = 0  #: applied steps judged unstable so far
+        self.trouble_since: Optional[int] = None  #: the first unstable step of the trouble in course, or None
+
+    @staticmethod
+    def _log(value: Optional[float]) -> Optional[float]:
+        if value is None or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            return None
+        return math.log(value)
+
+    def judge(self, loss: Optional[float], grad_norm: Optional[float]) -> Optional[str]:
+        """Why this applied, finite step is out of band (a text naming the signal, its value and the band), or None
+        (stable; also while warming up, and for values that are absent, non-finite or not positive)."""
+        if self.seen < self.warmup:
+            return None
+        for name, value in (("loss", loss), ("grad_norm", grad_norm)):
+            logged, band = self._log(value), self.bands[name]
+            if logged is None or len(band.values) < 2:
+                continue
+            median, bound = band.stats(self.z, self.ratio)
+            if logged > bound:
+                return (f"{name} {value:.4g} is {value / math.exp(median):.3g}x its median {math.exp(median):.4g} over "
+                        f"the last {len(band.values)} steps, past the band ({math.exp(bound):.4g}: z={self.z:g} "
+                        f"robust sigmas and at least {self.ratio:g}x)")
+        return None
+
+    def update(self, loss: Optional[float], grad_norm: Optional[float], unstable: bool, iteration: int) -> bool:
+        """Adds one applied step with its agreed judgement; returns whether it starts trouble (the first unstable step
+        after stable ones)."""
+        self.seen += 1
+        for name, value in (("loss", loss), ("grad_norm", grad_norm)):
+            logged, band = self._log(value), self.bands[name]
+            if logged is None:
+                continue
+            if unstable and len(band.values) >= 2:
+                logged = min(logged, band.stats(self.z, self.ratio)[1])
+            band.add(logged)
+        starts = unstable and self.trouble_since is None
+        if unstable:
+            self.unstable_steps += 1
+            self.trouble_since = iteration if starts else self.trouble_since
+        else:
+            self.trouble_since = None
+        return starts
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything :meth:`load_state_dict` needs to continue exactly (JSON-ready)."""
+        return {"version": 1, "bands": {k: list(b.values) for k, b in self.bands.items()}, "seen": self.seen,
+                "unstable_steps": self.unstable_steps, "trouble_since": self.trouble_since}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output; missing keys take their fresh values (an older checkpoint)."""
+        for name, band in self.bands.items():
+            band.load(float(v) for v in state.get("bands", {}).get(name, []))
+        self.seen = int(state.get("seen", 0))
+        self.unstable_steps = int(state.get("unstable_steps", 0))
+        since = state.get("trouble_since")
+        self.trouble_since = None if since is None else int(since)

@@ -1,0 +1,107 @@
+"""Healthy means stable (petr_stability/core/watch/spikes.py): the run's own band of loss and grad_norm, and the
+snapshot ring confirming a state only after stable steps in a row."""
+import json
+import math
+import random
+
+import pytest
+
+from petr_stability.core.recovery.snapshot import Snapshot, SnapshotRing
+from petr_stability.core.watch.spikes import StabilityWatch
+
+
+def _healthy_run(watch: StabilityWatch, steps: int, seed: int = 0, start: int = 1) -> int:
+    """A decreasing, noisy loss and a heavy-tailed grad_norm, as healthy training shows them; returns how many steps
+    were judged unstable."""
+    rng = random.Random(seed)
+    unstable = 0
+    for i in range(start, start + steps):
+        loss = 3.0 * math.exp(-i / 150) * math.exp(rng.gauss(0, 0.15))
+        grad_norm = 2.0 * math.exp(rng.gauss(0, 0.6))
+        why = watch.judge(loss, grad_norm)
+        unstable += why is not None
+        watch.update(loss, grad_norm, why is not None, i)
+    return unstable
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_healthy_run_is_stable_throughout(seed):
+    watch = StabilityWatch()
+    assert _healthy_run(watch, 400, seed) == 0 and watch.unstable_steps == 0 and watch.trouble_since is None
+
+
+def test_an_explosion_is_trouble_from_its_first_step_and_does_not_widen_the_band():
+    watch = StabilityWatch()
+    _healthy_run(watch, 100)
+    starts = []
+    for i, loss in enumerate([30.0, 300.0, 3000.0, 3e4], start=101):
+        why = watch.judge(loss, 2.0)
+        assert why is not None and why.startswith(f"loss {loss:.4g} is"), why
+        starts.append(watch.update(loss, 2.0, True, i))
+    assert starts == [True, False, False, False] and watch.trouble_since == 101 and watch.unstable_steps == 4
+    # Entered at the bound, not at their size: the band still judges the next explosion out of it.
+    assert watch.judge(300.0, 2.0) is not None
+    assert watch.judge(2.0, 2.0) is None  # back in band
+    watch.update(2.0, 2.0, False, 105)
+    assert watch.trouble_since is None
+
+
+def test_a_grad_norm_explosion_is_trouble_and_the_tail_of_an_ordinary_grad_norm_is_not():
+    watch = StabilityWatch()
+    _healthy_run(watch, 100)
+    assert watch.judge(1.0, 2.0 * 3.0) is None  # 3x the median: grad_norm's ordinary tail
+    why = watch.judge(1.0, 2000.0)
+    assert why is not None and why.startswith("grad_norm 2000 is")
+
+
+def test_warmup_absent_and_nonpositive_values_are_never_judged():
+    watch = StabilityWatch(warmup=5)
+    for i in range(5):
+        assert watch.judge(1e9 if i else 1.0, None) is None  # the first values: warm-up
+        watch.update(1.0, None, False, i + 1)
+    assert watch.judge(None, None) is None and watch.judge(-5.0, 0.0) is None and watch.judge(math.nan, None) is None
+    assert watch.judge(100.0, None) is not None
+
+
+def test_state_round_trip_continues_exactly():
+    a = StabilityWatch()
+    _healthy_run(a, 60)
+    a.update(50.0, 2.0, True, 61)
+    b = StabilityWatch()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict()
+    for loss in (2.0, 20.0, 200.0):
+        assert b.judge(loss, 3.0) == a.judge(loss, 3.0)
+    fresh = StabilityWatch()
+    fresh.load_state_dict({})  # an older checkpoint: nothing kept
+    assert fresh.seen == 0 and fresh.trouble_since is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(window=1), "stability_window must be an integer >= 2, got 1"),
+    (dict(warmup=0), "stability_warmup must be an integer >= 1, got 0"),
+    (dict(z=-1.0), "stability_z must be a finite number > 0, got -1.0"),
+    (dict(ratio=1.0), "stability_ratio must be a finite number > 1, got 1.0"),
+])
+def test_bad_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StabilityWatch(**kwargs)
+
+
+def test_an_unstable_step_confirms_nothing_and_restarts_the_count_of_unconfirmed_snapshots():
+    ring = SnapshotRing(keep=3, confirm_steps=3)
+    old, new = Snapshot(10, 0, {}), Snapshot(20, 0, {})
+    ring.add(old)
+    for _ in range(3):
+        ring.tick()
+    ring.add(new)
+    ring.tick()
+    ring.tick()
+    assert ring.is_confirmed(old) and not ring.is_confirmed(new)
+    ring.tick(stable=False)  # trouble: the newer state is on its path; the confirmed one stays confirmed
+    assert ring.is_confirmed(old) and new.clean_steps == 0
+    ring.tick()
+    ring.tick()
+    assert not ring.is_confirmed(new) and ring.newest_confirmed() is old
+    ring.tick()
+    assert ring.newest_confirmed() is new  # three stable steps in a row
