@@ -53,8 +53,10 @@ class CauseRow:
 #: The cause -> action table, in the order docs/how-it-works.md lists it.
 CAUSE_TABLE: Tuple[CauseRow, ...] = (
     CauseRow(Cause.FORWARD_OVERFLOW, "forward overflow",
-             "a module's fp16 forward is the first to go non-finite from finite inputs within fp16 range, and it "
-             "(or an enclosing call) re-run alone in fp32 on the same inputs is finite",
+             "a module's fp16 forward is the first to go non-finite from finite inputs within fp16 range (an "
+             "attention mask's -inf is no such value), and it (or an enclosing call) re-run alone in fp32 on the "
+             "same inputs is finite; the known-good batch overflows too, or no row breaks alone, or a batch with no "
+             "sample in common overflowed it before",
              "run that module in fp32 from now on; where the same batch stays finite in fp16 on the healthy "
              "weights (the weights grew into the overflow), learning rate x {lr_backoff} (schedules too) as well "
              "(lr_on_overflow); roll back (already in fp32: structural)",
@@ -62,8 +64,10 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
     CauseRow(Cause.DATA, "data",
              "the batch arrives non-finite at the model's input, or breaks the healthy weights too while a batch "
              "known to be good does not, or (weights finite, buffers or temporal state not) a batch since the healthy "
-             "snapshot, replayed from it, is the first to make them non-finite; no replay: some of its samples hold "
-             "non-finite values of their own",
+             "snapshot, replayed from it, is the first to make them non-finite, or an fp16 forward overflow is "
+             "confined to some of its samples (re-run from the healthy state their rows break beside samples shown "
+             "clean, the rest of the batch and the known-good batch stay finite); no replay: some of its samples "
+             "hold non-finite values of their own",
              "quarantine the batch's samples (each under every index a dataset wrapper serves it by) for the rest "
              "of the run, within quarantine_fraction (past it: refused, the batch skipped; refused samples that "
              "break the run again, or the recovery budget spent on bad data: stop with BadDataError naming every "
@@ -81,7 +85,9 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              "keep diagnose=True and let snapshots be confirmed, so that the replay can compare"),
     CauseRow(Cause.STRUCTURAL, "structural",
              "a batch known to be good breaks the healthy weights too (or none has trained since the run's "
-             "start), or the class's remedies are spent; no timing rule overrides evidence that the data is bad",
+             "start), or the class's remedies are spent; no timing rule overrides evidence that the data is bad; "
+             "a stop for a bug, bad data or no healthy state stands only where its verdict holds on the run's start "
+             "state (else: dynamics, from there)",
              "stop with StructuralDivergence, naming the class, the evidence and what to look at",
              False,
              "what every batch goes through: the data pipeline's transforms (a wrong normalisation, degenerate "

@@ -426,6 +426,44 @@ def test_an_overflow_the_weights_grew_into_says_so_and_one_the_healthy_weights_s
     assert merge([every, grew]).signals["weights_grew"] is False
 
 
+def test_an_overflow_confined_to_one_sample_is_its_data_and_many_batches_are_the_module():
+    # A bright but finite frame (x1e4): one row of the batch overflows attn's fp16 forward on every state; re-run from
+    # the healthy state it breaks alone beside samples shown clean, and the batch known to be good stays finite there.
+    model = TwoStage()
+    batch = torch.full((4, 64, 32), 0.5)
+    batch[2] = 50.0
+
+    def forward_of(x):
+        def forward():
+            with torch.autocast("cpu", dtype=torch.float16):
+                return model(x)
+        return forward
+
+    good = torch.full((4, 64, 32), 0.5)
+    report = diagnose_step(model, forward_of(batch), healthy_weights=_healthy(model), compare="reproduced",
+                           good_forward=forward_of(good), good_from="the batch of iter 7")
+    assert classify(report, CauseHistory(), 100).cause == Cause.FORWARD_OVERFLOW  # the premise: no isolation yet
+    report["isolation"] = {"rows": [2], "blamed": [10], "ambiguous": False}  # what Evidence.isolation() found
+    data = classify(report, CauseHistory(), 100)
+    assert data.cause == Cause.DATA and data.modules == ("attn",) and data.signals["isolated"] == [2]
+    assert "confined to 1 sample(s)" in data.evidence and "the batch of iter 7, known to be good, stays finite" in \
+        data.evidence and "their data, not attn" in data.evidence
+    # The known-good batch overflows too: every batch does, the module.
+    every = diagnose_step(model, forward_of(batch), healthy_weights=_healthy(model), compare="reproduced",
+                          good_forward=forward_of(torch.full((4, 64, 32), 50.0)))
+    every["isolation"] = {"rows": [2], "blamed": [10], "ambiguous": False}
+    assert classify(every, CauseHistory(), 100).cause == Cause.FORWARD_OVERFLOW
+    # No row breaks alone (ambiguous: every row does): the module.
+    report["isolation"] = {"rows": [], "blamed": [], "ambiguous": True}
+    assert classify(report, CauseHistory(), 100).cause == Cause.FORWARD_OVERFLOW
+    # A batch with no sample in common overflows attn after an earlier sample's overflow there was quarantined.
+    history = CauseHistory()
+    history.record(data, 50, 40)
+    report["isolation"] = {"rows": [0], "blamed": [3], "ambiguous": False}
+    again = classify(report, history, 100)
+    assert again.cause == Cause.FORWARD_OVERFLOW and again.modules == ("attn",)
+
+
 def test_structural_from_first_iterations_spent_remedies_and_back_to_back_data():
     model = LogBox()
     healthy = _healthy(model)

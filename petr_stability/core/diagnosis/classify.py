@@ -107,6 +107,27 @@ def _forward_overflow(report: Mapping[str, Any], healthy: Optional[Mapping[str, 
     return None
 
 
+def _confined(report: Mapping[str, Any], overflow: Tuple[Cause, str, List[str], Dict[str, Any]],
+              history: CauseHistory) -> Optional[Tuple[Cause, str, List[str], Dict[str, Any]]]:
+    """One sample is data, many batches are the module: an fp16 forward overflow the healthy weights show too (the
+    weights did not grow into it) whose rows, re-run from there, break alone beside samples shown clean (the rest of
+    the batch finite, and the batch known to be good finite there) is those samples' data; None where the module is
+    to blame (the known-good batch overflows too, no row breaks alone, or an earlier batch with no sample in common
+    overflowed the same module)."""
+    _, evidence, modules, signals = overflow
+    healthy, good = report.get("on_healthy_weights") or {}, report.get("good_batch")
+    isolation = report.get("isolation") or {}
+    if not healthy.get("reproduced") or (good is not None and good.get("reproduced")) or not isolation.get("rows"):
+        return None
+    if any(i["cause"] == Cause.DATA.value and modules[0] in i["modules"] for i in history.incidents):
+        return None  # an earlier sample's overflow there was quarantined since: a batch without it overflows it again
+    known = f", and {good.get('batch')}, known to be good, stays finite there" if good is not None else ""
+    return (Cause.DATA, f"{evidence}; but the overflow is confined to {len(isolation['rows'])} sample(s): re-run "
+                        f"from the healthy state, each breaks beside samples shown clean while the rest of its batch "
+                        f"does not{known}: their data, not {modules[0]}", list(modules),
+            dict(signals, isolated=list(isolation["rows"])))
+
+
 def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[Cause, str, List[str], Dict[str, Any]]:
     first = report.get("first") or {}
     healthy = report.get("on_healthy_weights")
@@ -116,7 +137,7 @@ def _evidence_cause(report: Mapping[str, Any], history: CauseHistory) -> Tuple[C
     good = report.get("good_batch")
     overflow = _forward_overflow(report, healthy, good, signals)
     if overflow is not None:
-        return overflow
+        return _confined(report, overflow, history) or overflow
     # The batch as it arrives: at the model's input, or at MMEngine's data preprocessor (the model's first module).
     if first and first.get("where") == "input" and first.get("module") in ("(model)", "data_preprocessor"):
         known = (f", while {good.get('batch')}, known to be good, trains fine on the healthy weights"
@@ -199,7 +220,7 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
     if cause != Cause.UNKNOWN and history.is_spent(cause):
         return Classification(Cause.STRUCTURAL, f"{evidence}; and the remedies for {cause} are spent "
                                                 f"({history.spent[cause.value]}): divergences keep coming on new data",
-                              modules, dict(signals, evidence_cause=cause.value))
+                              modules, dict(signals, evidence_cause=cause.value, spent=True))
     c = Classification(cause, evidence, modules, signals)
     return recurring(c, history, iteration) if recurrence else c
 
@@ -227,11 +248,11 @@ def recurring(c: Classification, history: CauseHistory, iteration: Optional[int]
 def data_by_evidence(signals: Mapping[str, Any]) -> bool:
     """The evidence says the data is to blame: the batch known to be good, replayed on the same healthy state as the
     failing one, trains fine there (the counterfactual), or the batch (or the samples blamed) holds non-finite values
-    of its own at the model's input, or the window's replay traced poisoned state to it. No timing rule overrides
-    it."""
+    of its own at the model's input, or the window's replay traced poisoned state to it, or its rows re-run from the
+    healthy state break alone beside samples shown clean. No timing rule overrides it."""
     good = signals.get("good_batch")
     return ((isinstance(good, Mapping) and good.get("reproduced") is False) or bool(signals.get("flagged_inputs"))
-            or bool(signals.get("input_nonfinite")) or bool(signals.get("window")))
+            or bool(signals.get("input_nonfinite")) or bool(signals.get("window")) or bool(signals.get("isolated")))
 
 
 def from_inputs(flagged: Sequence[Mapping[str, Any]], iteration: Optional[int] = None) -> Optional[Classification]:

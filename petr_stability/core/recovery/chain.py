@@ -5,7 +5,8 @@ divergence, a stalled static loss scale, and a step that went wrong without dive
 step, a non-finite loss). Each gathers this rank's evidence (a sample is blamed only by evidence about that sample,
 :class:`Evidence`), agrees with the other ranks in one collective, fires its events at the remedies through the
 policy (which never names one), and writes records of one schema. Any step may end the run instead
-(:attr:`Step.GIVE_UP`: the record, then the error). Only :attr:`Step.AGREE` and :attr:`Step.RESTORE` talk to the
+(:attr:`Step.GIVE_UP`: the record, then the error). Only :attr:`Step.AGREE`, :attr:`Step.RESTORE` and (on the way to
+a stop) :attr:`Step.VERIFY` talk to the
 other ranks, each at most once, so every rank takes the same path; the rest is decided locally.
 
 Divergences form a *chain* until a recovery holds (a state taken after the latest recovery is confirmed): within a
@@ -26,7 +27,7 @@ from .. import distributed
 from ..batches import BatchWatch
 from ..causes import Cause, Classification, row
 from ..config import GuardConfig
-from ..diagnosis import batch_broke, classify, diagnose_step, from_inputs, merge, recurring, summarize
+from ..diagnosis import batch_broke, classify, diagnose, diagnose_step, from_inputs, merge, recurring, summarize
 from ..diagnosis.window import isolate_rows, rebuilder, trace_incident, window_samples
 from ..errors import BadDataError, NanGuardGaveUp, NoHealthyStateError, StructuralDivergence
 from ..port import GuardIO, Payload
@@ -36,7 +37,7 @@ from ..remedies.quarantine import bad_data_advice, short_samples
 from ..samples import named_samples, suspect_rows
 from ..watch.detector import Decision, StepSignals, Verdict
 from .policy import CausePolicy
-from .restore import RESTORE_ORDER, RestorePoints
+from .restore import RESTORE_ORDER, RestorePoints, as_tensors
 
 __all__ = ["Entry", "Step", "TRANSITIONS", "Incident", "Agreement", "OWN_VALUES", "ISOLATED", "TRACED", "Evidence",
            "IncidentChain"]
@@ -59,6 +60,9 @@ class Step(str, enum.Enum):
     ACT = "act"  #: the events the entry fires at the remedies (which may turn the class structural)
     RESTORE = "restore"  #: the next restore point of this run, or none (bad data met a finite state; not a divergence)
     RECORD = "record"  #: the counters, the log lines, the records
+    #: Before a stop for a bug, bad data or no healthy state: does the verdict hold on the run's start state (one
+    #: collective)? Where it does not, the incident is answered as dynamics from there.
+    VERIFY = "verify"
     GIVE_UP = "give_up"  #: the record and the guard's error, for the caller to write and raise
     DONE = "done"  #: training goes on
 
@@ -67,9 +71,10 @@ class Step(str, enum.Enum):
 TRANSITIONS: Dict[Step, tuple] = {
     Step.DIAGNOSE: (Step.CLASSIFY,),
     Step.CLASSIFY: (Step.AGREE,),
-    Step.AGREE: (Step.ACT, Step.GIVE_UP),
-    Step.ACT: (Step.RESTORE, Step.GIVE_UP, Step.DIAGNOSE),
-    Step.RESTORE: (Step.RECORD, Step.GIVE_UP),
+    Step.AGREE: (Step.ACT, Step.VERIFY),
+    Step.ACT: (Step.RESTORE, Step.VERIFY, Step.DIAGNOSE),
+    Step.RESTORE: (Step.RECORD, Step.VERIFY),
+    Step.VERIFY: (Step.GIVE_UP, Step.ACT, Step.RESTORE, Step.RECORD),
     Step.RECORD: (Step.DONE,),
     Step.GIVE_UP: (Step.DONE,),
 }
@@ -242,6 +247,50 @@ class Evidence:
             out += [samples[r] for r in suspect_rows(batch, len(indices), fp16=False) if r < len(samples)]
         return _tagged(out, OWN_VALUES)
 
+    # ------------------------------------------------------------------ before a stop
+    def overturned(self, error: type, cls: Classification, batch: Any, rng: Any) -> Optional[Classification]:
+        """Whether a stop's verdict holds on the oldest stable state held (the run's start state), every rank's
+        evidence agreed (one gather; a stop stands only where no rank shows otherwise): the batch known to be good (else
+        the failing one) trains fine there, so no bug breaks every batch and there is a healthy state to return to;
+        for bad data, the failing batch trains fine there, so it is not the data. Returns the incident as dynamics
+        (signal ``overturned``: the error it no longer raises) or None (the verdict holds, or nothing could re-run)."""
+        found = self._on_start_state(batch, rng)
+        if found is not None:
+            breaks = found["failing"] if error is BadDataError or found.get("good") is None else found["good"]
+            found["holds"] = bool(breaks)
+        views = distributed.gather(found)
+        shown = [v for v in views if v is not None and not v["holds"]]
+        if not shown:
+            return None
+        which = "the failing batch" if error is BadDataError or shown[0].get("good") is None else \
+            "the batch known to be good"
+        return Classification(Cause.DYNAMICS, f"{cls.evidence}; but on {shown[0]['from']} {which} trains fine: "
+                                              f"not a bug and not the data, the state was on a divergent path (no "
+                                              f"{error.__name__}: answered as dynamics from there)",
+                              signals={"evidence_cause": cls.cause.value, "overturned": error.__name__,
+                                       "on_start_state": shown[0]})
+
+    def _on_start_state(self, batch: Any, rng: Any) -> Optional[Dict[str, Any]]:
+        """The failing batch and the batch known to be good re-run (forward and backward, unscaled) on the run's start
+        state, temporal state afresh: whether each breaks there; None where they cannot run."""
+        start = self.points.start
+        weights = as_tensors(start.ready_payload()) if start is not None else None
+        forward = self.io.rerun_forward(batch) if batch is not None else None
+        if weights is None or forward is None:
+            return None
+        good = self.batches
+        good_forward = self.io.rerun_forward(good.good_batch) if good.good_batch is not None else None
+        try:
+            found: Dict[str, Any] = {"from": self.points.start_key()}
+            for key, fwd, state in (("failing", forward, rng), ("good", good_forward, good.good_rng)):
+                if fwd is not None:
+                    found[key] = diagnose(self.io.model(), fwd, rng_state=state, weights=weights, fp32_check=False,
+                                          setup=self.fresh_state)["reproduced"]
+            return found
+        except Exception as exc:  # evidence only: a re-run that fails overturns nothing
+            self.io.log(f"NanGuard: the re-run on the start state failed: {type(exc).__name__}: {exc}", "warning")
+            return None
+
     # ------------------------------------------------------------------ naming samples
     def named(self, diagnosis: Optional[Dict[str, Any]], fp16: bool, replayed: bool) -> List[Dict[str, Any]]:
         """The samples this rank blames in a divergence: those the window trace found, else those of the accumulation
@@ -324,7 +373,7 @@ class IncidentChain:
         self.tried: Set[str] = set()
         self._handlers = {Step.DIAGNOSE: self._diagnose, Step.CLASSIFY: self._classify, Step.AGREE: self._agree,
                           Step.ACT: self._act, Step.RESTORE: self._restore, Step.RECORD: self._record,
-                          Step.GIVE_UP: self._give_up}
+                          Step.VERIFY: self._verify, Step.GIVE_UP: self._give_up}
 
     def run(self, incident: Incident) -> Incident:
         """Walks ``incident`` from :attr:`Step.DIAGNOSE` to :attr:`Step.DONE`; returns it with its ``records`` (and,
@@ -340,9 +389,7 @@ class IncidentChain:
     def close_if_held(self) -> Optional[str]:
         """On a healthy step: a state taken after the latest recovery is confirmed, so the recovery held and the chain
         closes. Returns the ladder's rung that held (or None)."""
-        if not self.tried:
-            return None
-        snap = self.points.ring.newest_confirmed()
+        snap = self.points.ring.newest_confirmed() if self.tried else None
         if snap is None or snap.generation != self.recoveries:
             return None
         self.tried.clear()
@@ -423,10 +470,10 @@ class IncidentChain:
                                                   "sample goes through (the data pipeline's transforms, a wrong "
                                                   "normalisation) and at the files of the samples named")
             if inc.cls.signals.get("bad_data") is not None:
-                self._bad_data_stop(inc)
-                return Step.GIVE_UP
+                _bad_data_stop(inc)
+                return Step.VERIFY
         inc.stop = (NanGuardGaveUp, spent)
-        return Step.GIVE_UP
+        return Step.VERIFY
 
     # ------------------------------------------------------------------ action
     def _act(self, inc: Incident) -> Step:
@@ -438,13 +485,13 @@ class IncidentChain:
             inc.cls, inc.changes = self.policy.before_restore(inc.cls, self.io, _bare(inc.agreed.samples),
                                                               self.recoveries + 1)
         if inc.cls.signals.get("bad_data"):  # samples the bound refused broke the run again: data, not a bug
-            self._bad_data_stop(inc)
-            return Step.GIVE_UP
+            _bad_data_stop(inc)
+            return Step.VERIFY
         if inc.cls.cause == Cause.STRUCTURAL:
             inc.changes = []
             inc.stop = (StructuralDivergence, f"the divergence is structural: {inc.cls.evidence}. Look at: "
                                               f"{row(Cause.STRUCTURAL).look_at}")
-            return Step.GIVE_UP
+            return Step.VERIFY
         self.note(inc.iteration, inc.changes)
         return Step.RESTORE
 
@@ -470,14 +517,26 @@ class IncidentChain:
         if outcome.signals.get("bad_data") is not None:
             inc.cls = inc.cls.but(evidence=outcome.evidence.lstrip("; "))
             inc.decision = Decision(Verdict.DIVERGED, "refused bad samples broke the run again")
-            self._bad_data_stop(inc)
-            return Step.GIVE_UP
+            _bad_data_stop(inc)
+            return Step.VERIFY
         self.note(inc.iteration, inc.changes)
         return Step.RESTORE
 
-    def _bad_data_stop(self, inc: Incident) -> None:
-        inc.stop = (BadDataError, f"a data problem, not a bug: {inc.cls.evidence}. "
-                                  f"{bad_data_advice(inc.cls.signals['bad_data'])}")
+    def _verify(self, inc: Incident) -> Step:
+        """A stop for a bug, bad data or no healthy state stands only where its verdict holds on the run's start state
+        (:meth:`Evidence.overturned`); else the incident is dynamics, answered from the start state."""
+        rechecked = inc.stop[0] in _RECHECKED and inc.cls is not None and not inc.cls.signals.get("spent")
+        overturned = self.evidence.overturned(inc.stop[0], inc.cls, inc.batch, inc.rng) if (
+            rechecked and self.config.diagnose) else None
+        if overturned is None:
+            return Step.GIVE_UP
+        inc.cls, inc.stop = overturned, None
+        if self.recoveries >= self.config.max_recoveries:
+            inc.stop = (NanGuardGaveUp, f"{overturned.evidence}; but the recovery budget is spent")
+            return Step.GIVE_UP
+        if inc.entry != Entry.DIVERGENCE:
+            return Step.RECORD  # a skipped step: nothing to roll back, nobody to stop
+        return Step.RESTORE if overturned.signals["overturned"] == NoHealthyStateError.__name__ else Step.ACT
 
     def _restore(self, inc: Incident) -> Step:
         # Bad data met a state checked finite on every rank (the scaler or the fp32 skip kept it out): the state is
@@ -488,13 +547,13 @@ class IncidentChain:
         # Bad data leaves the restore point it rolls back to as healthy as it was: the next data incident may use it
         # again (a burst of bad batches rolls back to the same point, batch by batch). Other causes spend it.
         spent = set(self.tried) if inc.cls.cause == Cause.DATA else self.tried
-        payload = self.points.next(inc.iteration, spent,
-                                   trouble_first=inc.cls.cause in (Cause.DATA, Cause.FORWARD_OVERFLOW))
+        payload = self.points.start_payload(spent) if inc.cls.signals.get("overturned") else self.points.next(
+            inc.iteration, spent, trouble_first=inc.cls.cause in (Cause.DATA, Cause.FORWARD_OVERFLOW))
         if payload is None:
             tried = ", ".join(sorted(self.tried)) or "none existed"
             inc.stop = (NoHealthyStateError, f"no healthy state of this run is left to roll back to (tried: {tried}; "
                                              "the order is: " + "; ".join(RESTORE_ORDER) + ")")
-            return Step.GIVE_UP
+            return Step.VERIFY
         self.io.restore(payload)
         self.io.rewind(payload.iteration, inc.inside)
         self.batches.rewind(payload.iteration)
@@ -566,8 +625,7 @@ class IncidentChain:
 
     def note(self, iteration: int, changes: List[Change]) -> None:
         """Adds ``changes`` to the actions tried, which the give-up message lists."""
-        for change in changes:
-            self.actions_tried.append(f"iter {iteration}: {change.target} {change.old} -> {change.new}")
+        self.actions_tried += [f"iter {iteration}: {c.target} {c.old} -> {c.new}" for c in changes]
 
     def _base(self, inc: Incident, event: Event, changes: List[Change], decision: Optional[Decision] = None,
               cls: Any = "incident's", **fields: Any) -> Dict[str, Any]:
@@ -586,17 +644,24 @@ class IncidentChain:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> Dict[str, Any]:
-        return {"recoveries": self.recoveries, "iterations_lost": self.iterations_lost,
-                "actions_tried": list(self.actions_tried), "stalls": self.stalls,
-                "skipped_steps": self.skipped_steps, "fp32_skips": self.fp32_skips}
+        return {**{k: getattr(self, k) for k in _COUNTERS}, "actions_tried": list(self.actions_tried)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.recoveries = int(state.get("recoveries", 0))
-        self.iterations_lost = int(state.get("iterations_lost", 0))
+        for k in _COUNTERS:
+            setattr(self, k, int(state.get(k, 0)))
         self.actions_tried = list(state.get("actions_tried", []))
-        self.stalls = int(state.get("stalls", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.fp32_skips = int(state.get("fp32_skips", 0))
+
+
+_COUNTERS = ("recoveries", "iterations_lost", "stalls", "skipped_steps", "fp32_skips")
+
+
+#: The stops whose verdict must hold on the run's start state first (:meth:`IncidentChain._verify`).
+_RECHECKED = (StructuralDivergence, BadDataError, NoHealthyStateError)
+
+
+def _bad_data_stop(inc: Incident) -> None:
+    inc.stop = (BadDataError, f"a data problem, not a bug: {inc.cls.evidence}. "
+                              f"{bad_data_advice(inc.cls.signals['bad_data'])}")
 
 
 def _bare(samples: Any) -> List[Dict[str, Any]]:

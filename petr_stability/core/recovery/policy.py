@@ -305,6 +305,7 @@ class CausePolicy:
         after = outcome.applied_to(c)
         if after.cause == Cause.STRUCTURAL and c.cause != Cause.STRUCTURAL:
             self.history.mark_spent(c.cause, after.evidence)
+            after = after.but(signals={**after.signals, "spent": True})  # every remedy was tried: evidence enough
         return after.but(action=self.action_text(after.cause)), list(outcome.changes)
 
     def rolls_back(self, c: Classification, io: GuardIO) -> bool:
@@ -369,7 +370,7 @@ class CausePolicy:
         if self.rung > len(self.ladder):
             self.history.mark_spent(Cause.DYNAMICS, "every rung of the ladder was tried")
             rungs = ", ".join(r.name for r in self.ladder)
-            return c.but(cause=Cause.STRUCTURAL,
+            return c.but(cause=Cause.STRUCTURAL, signals={**c.signals, "spent": True},
                          evidence=c.evidence + f"; divergences kept coming after every rung ({rungs})"), ()
         return c, self._dynamics()
 

@@ -168,6 +168,14 @@ class RestorePoints:
             payload = self._first_untried(now, tried, trouble_first)
         return payload
 
+    def start_payload(self, tried: Set[str]) -> Optional[Payload]:
+        """The run's start state, whether tried or not (which it marks): where an incident whose stop did not hold
+        there is answered from (:meth:`~.chain.Evidence.overturned`); None without one."""
+        if self.start is None:
+            return None
+        tried.add(self.start_key())
+        return self.payload(self.start, "start")
+
     def _first_untried(self, now: int, tried: Set[str], trouble_first: bool) -> Optional[Payload]:
         for point in self._points(now, tried, trouble_first):
             if point.key in tried:
