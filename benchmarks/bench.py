@@ -6,11 +6,12 @@ The model is framework-free (torch's own transformer decoder at PETR's head size
 dropout 0.1, 900 queries on 'large'), so the script runs wherever torch does. Figures printed:
 
 1. healthy-step overhead of the guard vs the same loop without it (interleaved blocks; target <= 1%);
-2. snapshot cost amortized per iteration at the default interval (200), its host memory, and how much of the copy
+2. snapshot cost amortized per iteration at the default interval, its host memory, and how much of the copy
    the training loop waits for (on CUDA the copies are asynchronous into pinned memory);
 3. the health check vs one plain read pass over the same tensors, and vs per-tensor boolean masks;
 4. rollback latency vs the raw copy time of the same state (target within 2x);
-5. iterations lost per incident vs PETR's default checkpoint interval (one epoch), with the real snapshot ring;
+5. iterations lost per incident, per class of incident, at the defaults, with the real snapshot ring and stability
+   band, vs PETR's default checkpoint interval (one epoch);
 6. on CUDA: host-device synchronizations the guard adds to a healthy step (torch.cuda.set_sync_debug_mode).
 """
 import argparse
@@ -36,6 +37,7 @@ from petr_stability.core.tree import iter_tensors
 from petr_stability.core.tree import nbytes as payload_nbytes
 from petr_stability.core.watch.detector import DivergenceDetector, StepSignals, Verdict
 from petr_stability.core.watch.health import all_finite, model_tensors, optimizer_tensors
+from petr_stability.core.watch.spikes import StabilityWatch
 from petr_stability.testing.reads import cuda_syncs as record_syncs
 
 SIZES = {
@@ -166,7 +168,8 @@ def snapshot_cost(b: Bench, step_s: float) -> Dict[str, float]:
     return {"snapshot_seconds": t, "snapshot_host_seconds": statistics.median(host),
             "host_wait_vs_copy": statistics.median(host) / t, "snapshot_bytes": nbytes,
             "snapshot_bytes_per_param_byte": nbytes / param_bytes, "host_bytes_3_snapshots": 3 * nbytes,
-            "amortized_ratio_at_200": t / (200 * step_s)}
+            "interval": GuardConfig().snapshot_interval,
+            "amortized_ratio": t / (GuardConfig().snapshot_interval * step_s)}
 
 
 def health_cost(b: Bench) -> Dict[str, float]:
@@ -220,34 +223,59 @@ def _skips_until_divergence(cfg: GuardConfig) -> int:
             return skips
 
 
-def iterations_lost(trials: int = 300, epoch_iters: int = 28130 // 8) -> Dict[str, float]:
-    """Iterations lost per incident at the defaults, with the real snapshot ring (and no more snapshots in it than
-    ``keep_snapshots``): an incident the guard sees only as it happens (NaN weights; and every dynamics incident,
-    which never returns to the edge of its divergence) goes back to the newest confirmed snapshot; one that starts as
-    a skip streak and is classed bad data or a forward overflow goes back to where the streak started."""
-    cfg = GuardConfig()
+def _ring_until(cfg: GuardConfig, fault: int, trouble: int, watch: StabilityWatch, rng: random.Random) -> SnapshotRing:
+    """The real ring over the iterations before ``fault`` at ``cfg``'s interval: stable steps, then (from ``trouble``
+    on, if before the fault) a loss explosion the real :class:`StabilityWatch` judges, growing 1.2-2x per step."""
+    ring = SnapshotRing(cfg.keep_snapshots, cfg.confirm_steps)
+    growth, loss = rng.uniform(1.2, 2.0), 1.0
+    for it in range(max(1, fault - 6 * cfg.snapshot_interval), fault):
+        if it >= trouble:
+            loss *= growth
+        value = loss * math.exp(rng.gauss(0, 0.1))
+        grad_norm = 2.0 * math.exp(rng.gauss(0, 0.5)) * (loss if it >= trouble else 1.0)
+        unstable = watch.judge(value, grad_norm) is not None
+        watch.update(value, grad_norm, unstable, it)
+        ring.tick(stable=not unstable)
+        if it % cfg.snapshot_interval == 0:
+            ring.add(Snapshot(it, 0, {}))
+    return ring
+
+
+def iterations_lost(trials: int = 300, epoch_iters: int = 28130 // 8, **guard: Any) -> Dict[str, Any]:
+    """Iterations lost per incident at the defaults, per class of incident, with the real snapshot ring, the real
+    stability band and the real detector (and no more snapshots than ``keep_snapshots``):
+
+    - seen as it happens (NaN weights, a divergence with nothing before it): back to the newest confirmed snapshot;
+    - a loss explosion first (a too-high rate): the band calls its steps unstable from the first one out of it, so the
+      newest confirmed snapshot is one from before it; the explosion lasts 5-30 steps before the divergence;
+    - a skip streak classed bad data or a forward overflow: back to where it started (the detector fires at the
+      streak's fifth skip);
+    - a skip streak classed dynamics: the ladder takes confirmed states only: the newest confirmed, the streak later.
+    """
+    cfg = GuardConfig(**guard)
     rng = random.Random(0)
     streak = _skips_until_divergence(cfg)
-    lost_guard, lost_trouble, lost_ckpt, held = [], [], [], []
-    horizon = 6 * epoch_iters
+    lost: Dict[str, List[int]] = {k: [] for k in ("as_it_happens", "explosion", "streak_data", "streak_dynamics")}
+    held, ckpt = [], []
     for _ in range(trials):
-        fault = rng.randrange(epoch_iters, horizon)
-        ring = SnapshotRing(cfg.keep_snapshots, cfg.confirm_steps)
-        for it in range(fault - 3 * cfg.snapshot_interval, fault):
-            ring.tick()
-            if (it + 1) % cfg.snapshot_interval == 0:
-                ring.add(Snapshot(it, 0, {}))
-        lost_guard.append(fault - ring.newest_confirmed().iteration)
+        fault = rng.randrange(epoch_iters, 6 * epoch_iters)
+        watch = StabilityWatch(cfg.stability_window, cfg.stability_z, cfg.stability_ratio, cfg.stability_warmup)
+        ring = _ring_until(cfg, fault, fault, watch, rng)
+        lost["as_it_happens"].append(fault - ring.newest_confirmed().iteration)
+        lost["streak_dynamics"].append(fault - ring.newest_confirmed().iteration)  # the streak's skips do not tick
         ring.add(Snapshot(fault - streak, 0, {}, at_trouble=True))  # the streak's first skip, into the ring
         held.append(len(ring))
-        trouble = [s for s in ring.snapshots if s.at_trouble]
-        lost_trouble.append(fault - trouble[-1].iteration)
-        lost_ckpt.append(fault % epoch_iters + 1)  # back to the last per-epoch checkpoint
-    g, t, c = statistics.mean(lost_guard), statistics.mean(lost_trouble), statistics.mean(lost_ckpt)
-    return {"mean_lost_guard": g, "max_lost_guard": max(lost_guard), "mean_lost_where_trouble_started": t,
-            "max_lost_where_trouble_started": max(lost_trouble), "snapshots_held_max": max(held),
-            "keep_snapshots": cfg.keep_snapshots, "mean_lost_epoch_checkpoint": c, "checkpoint_vs_guard": c / g,
-            "clock_vs_trouble": g / t}
+        lost["streak_data"].append(fault - [s for s in ring.snapshots if s.at_trouble][-1].iteration)
+        watch = StabilityWatch(cfg.stability_window, cfg.stability_z, cfg.stability_ratio, cfg.stability_warmup)
+        explosion = _ring_until(cfg, fault, fault - rng.randint(5, 30), watch, rng)
+        lost["explosion"].append(fault - explosion.newest_confirmed().iteration)
+        held.append(len(explosion))
+        ckpt.append(fault % epoch_iters + 1)  # back to the last per-epoch checkpoint
+    out: Dict[str, Any] = {k: {"mean": statistics.mean(v), "max": max(v)} for k, v in lost.items()}
+    out.update(snapshots_held_max=max(held), keep_snapshots=cfg.keep_snapshots, snapshot_interval=cfg.snapshot_interval,
+               confirm_steps=cfg.confirm_steps, mean_lost_epoch_checkpoint=statistics.mean(ckpt),
+               worst_mean=max(statistics.mean(v) for v in lost.values()))
+    return out
 
 
 def cuda_syncs(b: Bench, steps: int = 20) -> Dict[str, Any]:
@@ -295,8 +323,8 @@ def main(argv: List[str] = None) -> int:
     print(f"1. healthy-step overhead: {100 * o['overhead_ratio']:+.2f}% end to end, interleaved "
           f"(step {1e3 * o['step_seconds']:.1f} ms, guarded {1e3 * o['guarded_step_seconds']:.1f} ms); the guard's "
           f"own time {1e3 * o['guard_self_seconds']:.3f} ms = {100 * o['guard_self_ratio']:.3f}% of a step")
-    print(f"2. snapshot: {1e3 * s['snapshot_seconds']:.1f} ms, amortized at interval 200: "
-          f"{100 * s['amortized_ratio_at_200']:.3f}% of a step; {s['snapshot_bytes'] / 2**20:.1f} MiB each "
+    print(f"2. snapshot: {1e3 * s['snapshot_seconds']:.1f} ms, amortized at the default interval "
+          f"({s['interval']}): {100 * s['amortized_ratio']:.3f}% of a step; {s['snapshot_bytes'] / 2**20:.1f} MiB each "
           f"({s['snapshot_bytes_per_param_byte']:.1f}x the weights), "
           f"3 kept: {s['host_bytes_3_snapshots'] / 2**20:.1f} MiB; the loop waits "
           f"{1e3 * s['snapshot_host_seconds']:.1f} ms of it ({s['host_wait_vs_copy']:.2f}x)")
@@ -304,12 +332,13 @@ def main(argv: List[str] = None) -> int:
           f"tensors; per-tensor masks cost "
           f"{h['masks_vs_check']:.2f}x the fused check")
     print(f"4. rollback: {1e3 * r['restore_seconds']:.1f} ms = {r['restore_vs_raw_copy']:.2f}x the raw copy")
-    print(f"5. iterations lost per incident: {lo['mean_lost_guard']:.0f} mean ({lo['max_lost_guard']} max) back to "
-          f"the newest confirmed snapshot vs {lo['mean_lost_epoch_checkpoint']:.0f} back to a per-epoch checkpoint: "
-          f"{lo['checkpoint_vs_guard']:.1f}x fewer; a skip streak classed bad data or a forward overflow: "
-          f"{lo['mean_lost_where_trouble_started']:.0f} mean ({lo['max_lost_where_trouble_started']} max), back to "
-          f"where it started ({lo['clock_vs_trouble']:.0f}x fewer than the clock), with at most "
-          f"{lo['snapshots_held_max']} of keep_snapshots={lo['keep_snapshots']} snapshots held")
+    print(f"5. iterations lost per incident at the defaults (snapshot_interval {lo['snapshot_interval']}, "
+          f"confirm_steps {lo['confirm_steps']}), mean (max): seen as it happens {lo['as_it_happens']['mean']:.0f} "
+          f"({lo['as_it_happens']['max']}); after a loss explosion {lo['explosion']['mean']:.0f} "
+          f"({lo['explosion']['max']}); a skip streak classed data or forward overflow {lo['streak_data']['mean']:.0f} "
+          f"({lo['streak_data']['max']}), classed dynamics {lo['streak_dynamics']['mean']:.0f} "
+          f"({lo['streak_dynamics']['max']}); vs {lo['mean_lost_epoch_checkpoint']:.0f} back to a per-epoch "
+          f"checkpoint; at most {lo['snapshots_held_max']} of keep_snapshots={lo['keep_snapshots']} snapshots held")
     if "cuda_syncs" in res:
         print(f"6. CUDA syncs added per healthy step: {res['cuda_syncs']['syncs_added']} "
               f"over {res['cuda_syncs']['healthy_steps']} steps")

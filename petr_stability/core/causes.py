@@ -78,7 +78,9 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
     CauseRow(Cause.DYNAMICS, "dynamics",
              "the failing batch trains fine on the healthy weights",
              "the next rung of the ladder ({ladder}); roll back; past the last rung: structural",
-             True, "the incident log names the ladder's rung that held"),
+             True, "the learning rate and its warm-up (every rung of the ladder was tried, the rate backed off down "
+                   "to lr_min_factor, and divergences kept coming: lower the peak rate or lengthen the warm-up), the "
+                   "scale of the loss terms, the gradient clip; the incident log names each rung tried"),
     CauseRow(Cause.UNKNOWN, "unknown",
              "no healthy weights to compare with, or the diagnosis was off or failed",
              "as dynamics", True,

@@ -49,8 +49,9 @@ CORE_SETTINGS: Tuple[Setting, ...] = (
             "showing it)."),
     Setting("diagnose", True, is_bool, "on a confirmed divergence, re-run the failing batch with module hooks and name "
             "the first module that produced NaN/Inf (docs/diagnosis.md); the evidence every cause rests on."),
-    Setting("snapshot_interval", 200, is_int(1), "iterations between in-memory snapshots."),
-    Setting("confirm_steps", 50, is_int(0), "W: clean steps after a snapshot before it counts as healthy."),
+    Setting("snapshot_interval", 40, is_int(1), "iterations between in-memory snapshots (40 and ``confirm_steps`` "
+            "10: at most ~50 iterations lost per incident on average, benchmarks/bench.py figure 5)."),
+    Setting("confirm_steps", 10, is_int(0), "W: stable steps in a row after a snapshot before it counts as healthy."),
     Setting("keep_snapshots", 3, is_int(2), "snapshots kept in host memory (>= 2)."),
     Setting("max_recoveries", 5, is_int(0), "rollbacks allowed in a run before giving up with ``NanGuardGaveUp``."),
     Setting("remedies", REMEDIES, _remedy_names, "which remedies act (``remedies=`` names; a user's registered remedy "
@@ -75,7 +76,7 @@ CORE_SETTINGS: Tuple[Setting, ...] = (
             "standard deviations (log scale) above the window's median..."),
     Setting("stability_ratio", 4.0, is_number(1.0), "...and at least this many times the median."),
     Setting("stability_warmup", 20, is_int(1), "applied steps before any is judged (warm-up and the first "
-            "iterations are stable)."),
+            "iterations are stable), and before the ``max_scale_fall`` rule applies."),
     Setting("snapshot_copies", "rank", lambda n, v: check_choice(n, v, ("rank", "node")), "``'rank'`` (every rank "
             "keeps its own snapshots) or ``'node'`` (one copy per node, on its lowest rank; replicated DDP state "
             "only)."),
@@ -119,7 +120,8 @@ class GuardConfig:
                                 "docs/configuration.md)")
         for setting in declared:
             setattr(self, setting.name, setting.value(arguments))
-        self.detector = DetectorConfig(self.patience, self.min_loss_scale, self.static_patience, self.max_scale_fall)
+        self.detector = DetectorConfig(self.patience, self.min_loss_scale, self.static_patience, self.max_scale_fall,
+                                       self.stability_warmup)
         self._check_ladder()
 
     def _check_ladder(self) -> None:

@@ -311,6 +311,7 @@ class NanGuard:
                   epoch: Optional[int] = None, kind: str = "") -> Incident:
         # The step's own iteration and epoch; acted on now, at `acted_at` (one iteration later under a group).
         acted_at, now_epoch = self.io.completed(inside)
+        signals.trouble_since = self.stability.trouble_since
         data_epoch = self.batches.epoch_of(signals.iteration) if entry == Entry.SKIP else None
         epoch = now_epoch if epoch is None else epoch
         return Incident(signals, decision, inside, signals.iteration, epoch, self.batches.batch, self.batches.rng,

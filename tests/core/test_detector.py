@@ -206,8 +206,11 @@ def test_harmless_burst_after_applied_steps_does_not_fire(n):
     assert det.fitted_scale == 512.0 / 2 ** n
 
 
+WARM = DetectorConfig(fall_warmup=0)  # the fall rule's mechanics, as on a run past its warm-up
+
+
 def test_streak_the_scale_no_longer_explains_fires_at_the_fifth_skip():
-    det = DivergenceDetector()
+    det = DivergenceDetector(WARM)
     _applied(det)
     decisions = _streak(det, 3, 2048.0, 5)  # 1024, 512, 256, 128, 64
     assert [d.verdict for d in decisions] == [Verdict.OVERFLOW] * 4 + [Verdict.DIVERGED]
@@ -220,8 +223,22 @@ def test_streak_the_scale_no_longer_explains_fires_at_the_fifth_skip():
     assert verdicts.index(Verdict.DIVERGED) == 11
 
 
-def test_after_a_rollback_the_fitted_scale_holds_and_a_start_state_calibrates_again():
+def test_the_fall_rule_waits_for_the_runs_warm_up():
+    # Measured on the model zoo's causal transformer at its stable rate: the scale fitted after 2 applied steps falls
+    # 16x as the warming-up rate grows the gradients, and a healthy scaler settles by itself. Not a divergence then.
     det = DivergenceDetector()
+    _applied(det, 2)
+    assert [d.verdict for d in _streak(det, 2, 2048.0, 8)] == [Verdict.OVERFLOW] * 8  # down to 8
+    warm = DivergenceDetector(DetectorConfig(fall_warmup=20))
+    _applied(warm, 20)
+    assert [d.verdict for d in _streak(warm, 20, 2048.0, 5)] == [Verdict.OVERFLOW] * 4 + [Verdict.DIVERGED]
+    assert warm.state_dict()["applied_steps"] == 20
+    with pytest.raises(ValueError, match="fall_warmup must be an integer >= 0, got -1"):
+        DetectorConfig(fall_warmup=-1)
+
+
+def test_after_a_rollback_the_fitted_scale_holds_and_a_start_state_calibrates_again():
+    det = DivergenceDetector(WARM)
     _applied(det)
     _streak(det, 3, 1024.0, 2)  # fitted 512
     det.reset()  # a rollback

@@ -55,6 +55,7 @@ def test_the_lists_are_read_from_the_registered_types():
     assert [r.name for r in LADDER] == ["the known manual fix (transformer dropout 0, max_norm 1)",
                                         "learning rate backoff", "optimizer moments reset"]
     assert [r.remedies for r in LADDER] == [("clip", "dropout"), ("lr",), ("moments",)]
+    assert [r.repeat for r in LADDER] == [False, True, False]
     assert serving(Cause.DATA) == ("rollback", "quarantine") and serving(Cause.FORWARD_OVERFLOW) == ("rollback", "fp32")
     assert serving(Cause.DYNAMICS) == ("clip", "dropout", "lr", "moments", "rollback")
     assert serving(Cause.STRUCTURAL) == ()
@@ -64,11 +65,12 @@ def test_the_lists_are_read_from_the_registered_types():
 
 def test_the_ladder_text_follows_the_settings():
     assert CausePolicy(GuardConfig(lr_backoff=0.25)).ladder_text() == (
-        "the known manual fix (transformer dropout 0, max_norm 1), then learning rate x 0.25 (schedules too), then "
-        "optimizer moments reset")
+        "the known manual fix (transformer dropout 0, max_norm 1), then learning rate x 0.25 (schedules too) (again "
+        "at each incident while it can act: down to lr_min_factor), then optimizer moments reset")
     custom = CausePolicy(GuardConfig(ladder=[["lr"], ["clip", "dropout"]]))
-    assert custom.ladder_text() == ("learning rate x 0.5 (schedules too), then the known manual fix (transformer "
-                                    "dropout 0, max_norm 1)")
+    assert custom.ladder_text() == ("learning rate x 0.5 (schedules too) (again at each incident while it can act: "
+                                    "down to lr_min_factor), then the known manual fix (transformer dropout 0, "
+                                    "max_norm 1)")
 
 
 def test_the_state_keeps_the_checkpoint_layout_and_idle_remedies_are_never_called(monkeypatch):
@@ -423,3 +425,35 @@ def test_register_remedy_names_what_it_refuses(registered):
         register_remedy(Clash)
     with pytest.raises(ValueError, match="remedies: unknown entry 'beta2'"):
         GuardConfig(remedies=["beta2"])
+
+
+def _chain(config):
+    """One chain of dynamics incidents (none holds): each incident's rung, as the lr factor and the targets show it."""
+    from petr_stability.core.port import Payload
+
+    io, policy = FakeIO(), CausePolicy(config)
+    io.opt = torch.optim.Adam(io.net.parameters(), lr=1e-3)
+    seen = []
+    for n in range(1, 12):
+        c, changes = policy.before_restore(Classification(Cause.DYNAMICS, "fine on the healthy weights"), io, [], n)
+        if c.cause == Cause.STRUCTURAL:
+            seen.append(("structural", c.signals.get("spent")))
+            break
+        c, later, _ = policy.after_restore(c, io, Payload({}, 0, 0, tags=policy.tags()), n)
+        targets = {x.target.split(".")[0] for x in changes + later}
+        seen.append((round(policy.remedy("lr").lr_factor, 4), sorted(targets)))
+    return seen, io
+
+
+def test_the_learning_rate_rung_repeats_down_to_lr_min_factor_then_the_next_rung():
+    # A rate 5-8x too high needs three halvings (the model zoo): one backoff per incident of a chain, down to
+    # lr_min_factor, before the moments reset and, past it, structural with the spent signal (no re-check then).
+    seen, io = _chain(GuardConfig())
+    assert [s[0] for s in seen] == [1.0, 0.5, 0.25, 0.125, 0.0625, 0.0625, "structural"]
+    assert seen[-1] == ("structural", "ladder") and "optimizer0" in seen[4][1] and "optimizer0" not in seen[5][1]
+    assert io.opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.0625)
+    # lr_min_factor=0.5: one halving, as the ladder did before.
+    assert [s[0] for s in _chain(GuardConfig(lr_min_factor=0.5))[0]] == [1.0, 0.5, 0.5, "structural"]
+    # The rung switched off repeats nothing (never forever).
+    off = [s[0] for s in _chain(GuardConfig(remedies=[r for r in REMEDIES if r != "lr"]))[0]]
+    assert off == [1.0, 1.0, 1.0, "structural"]

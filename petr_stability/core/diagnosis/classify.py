@@ -220,7 +220,7 @@ def classify(report: Optional[Mapping[str, Any]], history: Optional[CauseHistory
     if cause != Cause.UNKNOWN and history.is_spent(cause):
         return Classification(Cause.STRUCTURAL, f"{evidence}; and the remedies for {cause} are spent "
                                                 f"({history.spent[cause.value]}): divergences keep coming on new data",
-                              modules, dict(signals, evidence_cause=cause.value, spent=True))
+                              modules, dict(signals, evidence_cause=cause.value, spent=cause.value))
     c = Classification(cause, evidence, modules, signals)
     return recurring(c, history, iteration) if recurrence else c
 

@@ -490,7 +490,7 @@ class IncidentChain:
         if inc.cls.cause == Cause.STRUCTURAL:
             inc.changes = []
             inc.stop = (StructuralDivergence, f"the divergence is structural: {inc.cls.evidence}. Look at: "
-                                              f"{row(Cause.STRUCTURAL).look_at}")
+                                              f"{row(_looked_at(inc.cls)).look_at}")
             return Step.VERIFY
         self.note(inc.iteration, inc.changes)
         return Step.RESTORE
@@ -657,6 +657,12 @@ _COUNTERS = ("recoveries", "iterations_lost", "stalls", "skipped_steps", "fp32_s
 
 #: The stops whose verdict must hold on the run's start state first (:meth:`IncidentChain._verify`).
 _RECHECKED = (StructuralDivergence, BadDataError, NoHealthyStateError)
+
+
+def _looked_at(cls: Classification) -> Cause:
+    """Whose row says where to look when ``cls`` stops the run: the dynamics ladder spent points at the rate, not at
+    what every batch goes through."""
+    return Cause.DYNAMICS if cls.signals.get("spent") == "ladder" else Cause.STRUCTURAL
 
 
 def _bad_data_stop(inc: Incident) -> None:

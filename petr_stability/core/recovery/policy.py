@@ -203,7 +203,9 @@ class CausePolicy:
         for rung in self.ladder:
             members = [self.remedies.get(n) for n in rung.remedies]
             # A rung of the declared ladder is named by its first remedy (the known manual fix by the clip's).
-            texts.append(members[0].text() if rung in LADDER else " + ".join(r.text() for r in members))
+            text = members[0].text() if rung in LADDER else " + ".join(r.text() for r in members)
+            texts.append(text + (" (again at each incident while it can act: down to lr_min_factor)"
+                                 if rung.repeat else ""))
         return ", then ".join(texts)
 
     def action_text(self, cause: Cause) -> str:
@@ -305,7 +307,7 @@ class CausePolicy:
         after = outcome.applied_to(c)
         if after.cause == Cause.STRUCTURAL and c.cause != Cause.STRUCTURAL:
             self.history.mark_spent(c.cause, after.evidence)
-            after = after.but(signals={**after.signals, "spent": True})  # every remedy was tried: evidence enough
+            after = after.but(signals={**after.signals, "spent": c.cause.value})  # every remedy tried: evidence enough
         return after.but(action=self.action_text(after.cause)), list(outcome.changes)
 
     def rolls_back(self, c: Classification, io: GuardIO) -> bool:
@@ -361,7 +363,11 @@ class CausePolicy:
     def _climb(self, ctx: Any) -> Tuple[Classification, Optional[Tuple[str, ...]]]:
         """The next rung for a dynamics incident: (the class, the remedies to fire; structural past the last)."""
         c = ctx.cls
-        self.rung += 1
+        held = self.ladder[self.rung - 1] if 1 <= self.rung <= len(self.ladder) else None
+        acting = [] if held is None or not held.repeat else [
+            r for r in (self.remedies.get(n) for n in held.remedies) if r.enabled]
+        again = bool(acting) and all(r.can_repeat(ctx) for r in acting)
+        self.rung += 0 if again else 1
         first = [self.remedies.get(n) for n in self.ladder[0].remedies] if self.ladder else []
         if self.rung == 1 and all(not r.enabled or r.in_effect(ctx) for r in first):
             # A rollback that changes nothing is a rollback spent: a new chain starts at the next rung.
@@ -370,7 +376,7 @@ class CausePolicy:
         if self.rung > len(self.ladder):
             self.history.mark_spent(Cause.DYNAMICS, "every rung of the ladder was tried")
             rungs = ", ".join(r.name for r in self.ladder)
-            return c.but(cause=Cause.STRUCTURAL, signals={**c.signals, "spent": True},
+            return c.but(cause=Cause.STRUCTURAL, signals={**c.signals, "spent": "ladder"},
                          evidence=c.evidence + f"; divergences kept coming after every rung ({rungs})"), ()
         return c, self._dynamics()
 

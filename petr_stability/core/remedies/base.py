@@ -184,6 +184,11 @@ class Remedy:
         False."""
         return False
 
+    def can_repeat(self, ctx: Context) -> bool:
+        """On a rung that repeats (:attr:`~.registry.Rung.repeat`): whether it can act once more on the next incident
+        of the chain, its rung climbed again instead of the next. Defaults to False."""
+        return False
+
     def apply(self, ctx: Context) -> Union[Outcome, List[Change], None]:
         """Acts at ``ctx.event``; returns what it changed (an :class:`Outcome`, or just a list of changes)."""
         return None

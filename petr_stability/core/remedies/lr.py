@@ -113,6 +113,9 @@ class LrBackoff(Remedy):
                         "the healthy weights (the weights grew into it: the learning rate drove them there) also "
                         "backs the learning rate off by ``lr_backoff``, beside the module in fp32; False: the module "
                         "in fp32 only (docs/demo.md measures both)."),
+                Setting("lr_min_factor", 0.0625, is_number(0.0, 1.0), "the dynamics ladder's learning-rate "
+                        "rung repeats, one backoff per incident of a chain, while the factor stays at or above this "
+                        "(1/16: four halvings at the default lr_backoff); then the next rung."),
                 Setting("lr_rewarm", 0, is_int(0), "healthy iterations in a row after a learning-rate backoff "
                         "before the rate is raised again by ``1 / lr_backoff`` toward the schedule's (never above "
                         "it); 0: a backoff lasts the run (docs/demo.md measures both)."))
@@ -139,6 +142,9 @@ class LrBackoff(Remedy):
         if ctx.event == When.AFTER_RESTORE and ctx.cls is not None and ctx.cls.cause == Cause.FORWARD_OVERFLOW:
             return self.config.lr_on_overflow and bool(ctx.cls.signals.get("weights_grew"))
         return ctx.event != When.RESTORED or ctx.io.restores_lr()
+
+    def can_repeat(self, ctx: Context) -> bool:
+        return self.lr_factor * self.config.lr_backoff >= self.config.lr_min_factor * (1 - 1e-9)
 
     def apply(self, ctx: Context) -> List[Change]:
         if ctx.event == When.RESTORED:

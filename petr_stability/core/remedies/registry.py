@@ -76,17 +76,22 @@ class Rung:
     Attributes:
         name: how logs and records name it.
         remedies: their ``remedies=`` names (a rung whose remedies are all off is climbed, changing nothing).
+        repeat: the next incident of the chain takes this rung again while its remedies can act once more
+            (:meth:`~.base.Remedy.can_repeat`: the learning rate, down to ``lr_min_factor``), before the next rung.
     """
 
     name: str
     remedies: Tuple[str, ...]
+    repeat: bool = False
 
 
 #: The dynamics ladder, declared once: one rung per incident of a chain (a chain ends when a state taken after the
-#: latest recovery is confirmed: that rung held); past the last rung the class is structural. ``ladder=`` replaces it.
+#: latest recovery is confirmed: that rung held); the learning rate's rung repeats, one backoff per incident, down to
+#: ``lr_min_factor`` (a rate 5-8x too high needs three halvings: measured on the model zoo, docs/zoo.md); past the
+#: last rung the class is structural. ``ladder=`` replaces it.
 LADDER: Tuple[Rung, ...] = (
     Rung(ClipRemedy.label, ("clip", "dropout")),
-    Rung("learning rate backoff", ("lr",)),
+    Rung("learning rate backoff", ("lr",), repeat=True),
     Rung("optimizer moments reset", ("moments",)),
 )
 
@@ -95,8 +100,8 @@ def ladder_of(names: Optional[Sequence[Sequence[str]]]) -> Tuple[Rung, ...]:
     """The ladder ``ladder=`` gives (None: :data:`LADDER`): a rung equal to a default one keeps its name."""
     if names is None:
         return LADDER
-    known = {rung.remedies: rung.name for rung in LADDER}
-    return tuple(Rung(known.get(tuple(r), " + ".join(REMEDY_TYPES[n].label or n for n in r)), tuple(r))
+    known = {rung.remedies: rung for rung in LADDER}
+    return tuple(known.get(tuple(r)) or Rung(" + ".join(REMEDY_TYPES[n].label or n for n in r), tuple(r))
                  for r in names)
 
 

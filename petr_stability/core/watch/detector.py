@@ -37,6 +37,8 @@ class StepSignals:
         step_applied: whether the optimizer really applied this step's update (False when a scaler or
             the guard's fp32 skip dropped it). None means unknown: inferred from ``scale_mode``.
         weights_finite: result of a weight/buffer health check run on this step, or None if none ran.
+        trouble_since: the first unstable step of the trouble in course when an incident came (watch/spikes.py), or
+            None: how long the loss or grad_norm had been out of the run's band before it.
     """
 
     iteration: int
@@ -47,6 +49,7 @@ class StepSignals:
     scale_mode: str = "none"
     step_applied: Optional[bool] = None
     weights_finite: Optional[bool] = None
+    trouble_since: Optional[int] = None
 
     @property
     def suspicious(self) -> bool:
@@ -93,14 +96,22 @@ class DetectorConfig:
             applied step are one skip long (a batch past the scale's headroom); at 16 and the usual backoff of 0.5
             the fifth consecutive skip fires, against the eleventh or twelfth by ``min_loss_scale`` from 1024.
             ``math.inf`` turns the rule off. Defaults to 16.0.
+        fall_warmup: applied steps of the run before the ``max_scale_fall`` rule applies: while the rate warms up the
+            gradients grow step by step and a scale fitted after a few steps falls with them, which a healthy run's
+            scaler settles by itself (measured on the model zoo's causal transformer at its stable rate: a fall of 16x
+            after 2 applied steps, the scale then settling at 64). The guard passes ``stability_warmup``. Defaults to
+            20.
     """
 
     patience: int = 3
     min_loss_scale: float = 1.0
     static_patience: int = 5
     max_scale_fall: float = 16.0
+    fall_warmup: int = 20
 
     def __post_init__(self) -> None:
+        if isinstance(self.fall_warmup, bool) or not isinstance(self.fall_warmup, int) or self.fall_warmup < 0:
+            raise ValueError(f"fall_warmup must be an integer >= 0, got {self.fall_warmup!r}")
         for name in ("patience", "static_patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -136,7 +147,8 @@ class DivergenceDetector:
        gradients counts here and nowhere else;
     5. ``patience`` consecutive non-finite steps whose dynamic scale did not fall, or ``patience`` consecutive
        fp32 steps skipped for a non-finite gradient, or a skip streak whose dynamic scale fell
-       ``max_scale_fall``-fold below the scale the gradients fitted (a streak no scale explains): DIVERGED;
+       ``max_scale_fall``-fold below the scale the gradients fitted (a streak no scale explains; after the first
+       ``fall_warmup`` applied steps of the run): DIVERGED;
     6. ``static_patience`` consecutive skipped steps under a static scale: STALLED;
     7. any other non-finite step: OVERFLOW (the scaler or the guard's fp32 skip kept it out of the weights, or
        only the loss was non-finite);
@@ -148,6 +160,8 @@ class DivergenceDetector:
         #: The dynamic scale after the first skip of the latest streak that followed an applied step: the
         #: gradients fitted under about twice it. Kept across :meth:`reset`.
         self.fitted_scale: Optional[float] = None
+        #: Applied steps of the run so far (kept across :meth:`reset`): the ``max_scale_fall`` rule waits for warm-up.
+        self.applied_steps = 0
         self.reset()
 
     def reset(self) -> None:
@@ -173,6 +187,7 @@ class DivergenceDetector:
         if not s.suspicious:
             self._clear_streaks()
             self.applied = True
+            self.applied_steps += 1
             return Decision(Verdict.HEALTHY)
 
         grad_bad, loss_bad = not _finite(s.grad_norm), not _finite(s.loss)
@@ -200,8 +215,8 @@ class DivergenceDetector:
                     Verdict.DIVERGED,
                     f"{self.stuck_streak} consecutive overflows with the loss scale no longer falling ({what})",
                 )
-            if self.fitted_scale is not None and s.loss_scale is not None and (
-                    s.loss_scale * cfg.max_scale_fall <= self.fitted_scale):
+            if self.fitted_scale is not None and s.loss_scale is not None and self.applied_steps >= cfg.fall_warmup \
+                    and s.loss_scale * cfg.max_scale_fall <= self.fitted_scale:
                 return Decision(
                     Verdict.DIVERGED,
                     f"{self.overflow_streak} consecutive skipped steps with the loss scale down to {s.loss_scale:g}, "
@@ -243,6 +258,7 @@ class DivergenceDetector:
             "loss_streak": self.loss_streak,
             "last_scale": self.last_scale,
             "fitted_scale": self.fitted_scale,
+            "applied_steps": self.applied_steps,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -253,5 +269,6 @@ class DivergenceDetector:
         # Not restored: a resumed scaler may start again from its init_scale, and a step applied before the save is
         # no evidence that the gradients fit that scale.
         self.applied = False
+        self.applied_steps = int(state.get("applied_steps", 0))
         fitted = state.get("fitted_scale")
         self.fitted_scale = None if fitted is None else float(fitted)
