@@ -44,6 +44,9 @@ CORE_SETTINGS: Tuple[Setting, ...] = (
             "stalled."),
     Setting("max_scale_fall", 16.0, _scale_fall, "F: a skip streak during which the dynamic scale falls F times below "
             "the scale the gradients had fitted is a divergence (``math.inf``: off)."),
+    Setting("scale_fall_warmup", 20, is_int(0), "applied steps of the run before the ``max_scale_fall`` rule "
+            "applies: while the rate warms up the gradients grow and a scale fitted after a few steps falls with "
+            "them on a healthy run."),
     Setting("check_interval", 50, is_int(1), "iterations between routine health checks of weights and buffers "
             "(suspicious steps are checked at once anyway; BatchNorm statistics can turn NaN without any gradient "
             "showing it)."),
@@ -75,8 +78,8 @@ CORE_SETTINGS: Tuple[Setting, ...] = (
     Setting("stability_z", 6.0, is_number(), "a step is out of the band when its loss or grad_norm is this many robust "
             "standard deviations (log scale) above the window's median..."),
     Setting("stability_ratio", 4.0, is_number(1.0), "...and at least this many times the median."),
-    Setting("stability_warmup", 20, is_int(1), "applied steps before any is judged (warm-up and the first "
-            "iterations are stable), and before the ``max_scale_fall`` rule applies."),
+    Setting("stability_warmup", 5, is_int(1), "applied steps before any is judged against the band (the first "
+            "iterations are stable)."),
     Setting("snapshot_copies", "rank", lambda n, v: check_choice(n, v, ("rank", "node")), "``'rank'`` (every rank "
             "keeps its own snapshots) or ``'node'`` (one copy per node, on its lowest rank; replicated DDP state "
             "only)."),
@@ -121,7 +124,7 @@ class GuardConfig:
         for setting in declared:
             setattr(self, setting.name, setting.value(arguments))
         self.detector = DetectorConfig(self.patience, self.min_loss_scale, self.static_patience, self.max_scale_fall,
-                                       self.stability_warmup)
+                                       self.scale_fall_warmup)
         self._check_ladder()
 
     def _check_ladder(self) -> None:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from petr_stability.core.recovery.snapshot import Snapshot, SnapshotRing
-from petr_stability.core.watch.spikes import StabilityWatch
+from petr_stability.core.watch.spikes import SWING_STEPS, StabilityWatch
 
 
 def _healthy_run(watch: StabilityWatch, steps: int, seed: int = 0, start: int = 1) -> int:
@@ -41,9 +41,25 @@ def test_an_explosion_is_trouble_from_its_first_step_and_does_not_widen_the_band
     assert starts == [True, False, False, False] and watch.trouble_since == 101 and watch.unstable_steps == 4
     # Entered at the bound, not at their size: the band still judges the next explosion out of it.
     assert watch.judge(300.0, 2.0) is not None
-    assert watch.judge(2.0, 2.0) is None  # back in band
-    watch.update(2.0, 2.0, False, 105)
-    assert watch.trouble_since is None
+    # Back in band, the loss still swinging 10x from step to step: no stable regime until the swings calm down.
+    reasons = []
+    for i in range(105, 105 + SWING_STEPS):
+        why = watch.judge(2.0, 2.0)
+        reasons.append(why)
+        watch.update(2.0, 2.0, why is not None, i)
+    assert "swings" in reasons[0] and reasons[-1] is None and watch.trouble_since is None
+
+
+def test_a_loss_that_swings_wildly_from_step_to_step_is_no_stable_regime():
+    # A rate far too high from its first steps: 0.2, 79, 0.4, 122, 0.5, ... (the zoo's temporal model at 8x): the
+    # band over such values is too wide to be one; the swings themselves say it is not stable.
+    watch, unstable = StabilityWatch(), []
+    for i, loss in enumerate([0.2, 79.0, 80.0, 0.4, 2.1, 3.0, 122.0, 0.5, 1.6e5, 4.7e4, 41.0, 1.3e4, 1059.0], 1):
+        why = watch.judge(loss, 1.0)
+        unstable.append(why is not None)
+        watch.update(loss, 1.0, why is not None, i)
+    assert unstable[-1] and "swings" in (watch.judge(2300.0, 1.0) or "")
+    assert not any(unstable[:5])  # warm-up
 
 
 def test_a_grad_norm_explosion_is_trouble_and_the_tail_of_an_ordinary_grad_norm_is_not():

@@ -99,8 +99,8 @@ class DetectorConfig:
         fall_warmup: applied steps of the run before the ``max_scale_fall`` rule applies: while the rate warms up the
             gradients grow step by step and a scale fitted after a few steps falls with them, which a healthy run's
             scaler settles by itself (measured on the model zoo's causal transformer at its stable rate: a fall of 16x
-            after 2 applied steps, the scale then settling at 64). The guard passes ``stability_warmup``. Defaults to
-            20.
+            after 2 applied steps, the scale then settling at 64). The guard passes ``scale_fall_warmup``. Defaults
+            to 20.
     """
 
     patience: int = 3

@@ -10,14 +10,16 @@ median of the log values over a window, plus the larger of ``z`` robust standard
 deviation, x 1.4826) and ``log(ratio)``: a step is unstable when its loss or grad_norm passes it, upwards only (a
 falling loss is what training does). Both tests must hold, as llm-foundry's ``KillLossSpike`` (a multiple of the
 window mean) and OLMo-core / torchtitan (a z-score) each use one: a z-score alone fires on a smooth loss's tiny
-noise, a ratio alone on grad_norm's heavy tail.
+noise, a ratio alone on grad_norm's heavy tail. A run with no stable regime to judge by (the loss swinging by more
+than ``ratio`` from one applied step to the next, the median of the last few swings: a rate far too high from its
+first steps) is unstable throughout: its band is too wide to be a band.
 """
 import math
 import statistics
 from collections import deque
 from typing import Any, Deque, Dict, Iterable, Optional, Tuple
 
-__all__ = ["GradNormMonitor", "SPIKE_RATIO", "StabilityWatch", "MAD_SIGMA"]
+__all__ = ["GradNormMonitor", "SPIKE_RATIO", "StabilityWatch", "MAD_SIGMA", "SWING_STEPS"]
 
 #: A spike is warned about when it is at least this many times the running mean, besides its z-score.
 SPIKE_RATIO = 3.0
@@ -141,6 +143,9 @@ class GradNormMonitor:
         self.in_spike = bool(state.get("in_spike", False))
 
 
+#: How many step-to-step swings of the loss :class:`StabilityWatch` keeps (a stable regime needs a calm median).
+SWING_STEPS = 8
+
 #: The median absolute deviation of a normal distribution times this is its standard deviation.
 MAD_SIGMA = 1.4826
 
@@ -181,11 +186,10 @@ class StabilityWatch:
         window: how many recent stable steps the band covers. Defaults to 50.
         z: robust standard deviations above the median (log scale) before a value is out of band. Defaults to 6.0.
         ratio: and at least this many times the median. Defaults to 4.0.
-        warmup: values needed before any step is judged (warm-up and the first iterations are stable). Defaults to
-            20.
+        warmup: values needed before any step is judged (the first iterations are stable). Defaults to 5.
     """
 
-    def __init__(self, window: int = 50, z: float = 6.0, ratio: float = 4.0, warmup: int = 20) -> None:
+    def __init__(self, window: int = 50, z: float = 6.0, ratio: float = 4.0, warmup: int = 5) -> None:
         for name, value, low in (("stability_window", window, 2), ("stability_warmup", warmup, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -194,6 +198,10 @@ class StabilityWatch:
                 raise ValueError(f"{name} must be a finite number > {low:g}, got {value!r}")
         self.window, self.z, self.ratio, self.warmup = window, float(z), float(ratio), warmup
         self.bands = {"loss": _Band(window), "grad_norm": _Band(window)}
+        #: |change of log loss| between consecutive applied steps, the last few: a run whose loss swings by more than
+        #: ``ratio`` from step to step (the median of them) has no stable regime to judge a step by.
+        self.swings: Deque[float] = deque(maxlen=SWING_STEPS)
+        self.last_log_loss: Optional[float] = None
         self.seen = 0  #: stable-or-not applied steps added so far
         self.unstable_steps = 0  #: applied steps judged unstable so far
         self.trouble_since: Optional[int] = None  #: the first unstable step of the trouble in course, or None
@@ -209,6 +217,12 @@ class StabilityWatch:
         (stable; also while warming up, and for values that are absent, non-finite or not positive)."""
         if self.seen < self.warmup:
             return None
+        logged = self._log(loss)
+        if logged is not None and self.last_log_loss is not None and len(self.swings) >= SWING_STEPS // 2:
+            swing = math.exp(statistics.median(list(self.swings) + [abs(logged - self.last_log_loss)]))
+            if swing > self.ratio:
+                return (f"the loss swings {swing:.3g}x from one applied step to the next (the median over the last "
+                        f"{len(self.swings) + 1}), more than {self.ratio:g}x: no stable regime")
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             logged, band = self._log(value), self.bands[name]
             if logged is None or len(band.values) < 2:
@@ -224,6 +238,11 @@ class StabilityWatch:
         """Adds one applied step with its agreed judgement; returns whether it starts trouble (the first unstable step
         after stable ones)."""
         self.seen += 1
+        logged = self._log(loss)
+        if logged is not None:
+            if self.last_log_loss is not None:
+                self.swings.append(abs(logged - self.last_log_loss))
+            self.last_log_loss = logged
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             logged, band = self._log(value), self.bands[name]
             if logged is None:
@@ -242,12 +261,16 @@ class StabilityWatch:
     def state_dict(self) -> Dict[str, Any]:
         """Everything :meth:`load_state_dict` needs to continue exactly (JSON-ready)."""
         return {"version": 1, "bands": {k: list(b.values) for k, b in self.bands.items()}, "seen": self.seen,
-                "unstable_steps": self.unstable_steps, "trouble_since": self.trouble_since}
+                "unstable_steps": self.unstable_steps, "trouble_since": self.trouble_since,
+                "swings": list(self.swings), "last_log_loss": self.last_log_loss}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output; missing keys take their fresh values (an older checkpoint)."""
         for name, band in self.bands.items():
             band.load(float(v) for v in state.get("bands", {}).get(name, []))
+        self.swings = deque((float(v) for v in state.get("swings", [])), maxlen=SWING_STEPS)
+        last = state.get("last_log_loss")
+        self.last_log_loss = None if last is None else float(last)
         self.seen = int(state.get("seen", 0))
         self.unstable_steps = int(state.get("unstable_steps", 0))
         since = state.get("trouble_since")
