@@ -121,3 +121,20 @@ def test_an_unstable_step_confirms_nothing_and_restarts_the_count_of_unconfirmed
     assert not ring.is_confirmed(new) and ring.newest_confirmed() is old
     ring.tick()
     assert ring.newest_confirmed() is new  # three stable steps in a row
+
+
+def test_a_loss_near_its_floor_swinging_between_batches_is_stable():
+    # A classifier fit to 0.002 with a hard batch at 0.05 now and then: 25x its median, far below its first losses.
+    watch = StabilityWatch()
+    for i, loss in enumerate([1.4, 1.2, 0.9, 0.7, 0.5] + [0.002, 0.05, 0.001, 0.03, 0.002] * 8, 1):
+        assert watch.judge(loss, 1.0) is None, (i, loss)
+        watch.update(loss, 1.0, False, i)
+    assert watch.judge(1.0, 1.0) is not None  # back at the starting level: that is an explosion
+
+
+def test_a_signed_loss_is_judged_by_grad_norm_alone():
+    watch = StabilityWatch()
+    for i, loss in enumerate([0.5, -0.3, 0.05, 0.6, -0.2, 0.01, 0.4] * 4, 1):
+        assert watch.judge(loss, 2.0) is None
+        watch.update(loss, 2.0, False, i)
+    assert not watch.loss_positive and watch.judge(1e6, 2.0) is None and watch.judge(0.1, 2000.0) is not None

@@ -12,12 +12,14 @@ falling loss is what training does). Both tests must hold, as llm-foundry's ``Ki
 window mean) and OLMo-core / torchtitan (a z-score) each use one: a z-score alone fires on a smooth loss's tiny
 noise, a ratio alone on grad_norm's heavy tail. A run with no stable regime to judge by (the loss swinging by more
 than ``ratio`` from one applied step to the next, the median of the last few swings: a rate far too high from its
-first steps) is unstable throughout: its band is too wide to be a band.
+first steps) is unstable throughout: its band is too wide to be a band. A loss ``ratio`` times below the run's first
+applied losses is never judged: near its floor a loss swings between batches without anything exploding; and a loss
+that was ever <= 0 (a signed objective) has no log scale: grad_norm alone is judged then.
 """
 import math
 import statistics
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["GradNormMonitor", "SPIKE_RATIO", "StabilityWatch", "MAD_SIGMA", "SWING_STEPS"]
 
@@ -202,6 +204,11 @@ class StabilityWatch:
         #: ``ratio`` from step to step (the median of them) has no stable regime to judge a step by.
         self.swings: Deque[float] = deque(maxlen=SWING_STEPS)
         self.last_log_loss: Optional[float] = None
+        #: The run's first applied losses (log): a loss ``ratio`` times below their median is no explosion however it
+        #: moves (a classifier near its floor swings 0.002 -> 0.05 between batches).
+        self.early: List[float] = []
+        #: False once an applied step's loss was <= 0: a signed loss has no log scale, only grad_norm is judged then.
+        self.loss_positive = True
         self.seen = 0  #: stable-or-not applied steps added so far
         self.unstable_steps = 0  #: applied steps judged unstable so far
         self.trouble_since: Optional[int] = None  #: the first unstable step of the trouble in course, or None
@@ -212,12 +219,20 @@ class StabilityWatch:
             return None
         return math.log(value)
 
+    def _floor(self) -> float:
+        """log of the level no loss below is judged: the early losses' median over ``ratio``."""
+        return statistics.median(self.early) - math.log(self.ratio) if self.early else -math.inf
+
+    def _floored(self, logged: Optional[float]) -> Optional[float]:
+        return None if logged is None else max(logged, self._floor())
+
     def judge(self, loss: Optional[float], grad_norm: Optional[float]) -> Optional[str]:
         """Why this applied, finite step is out of band (a text naming the signal, its value and the band), or None
         (stable; also while warming up, and for values that are absent, non-finite or not positive)."""
         if self.seen < self.warmup:
             return None
-        logged = self._log(loss)
+        loss = loss if self.loss_positive else None
+        logged = self._floored(self._log(loss))
         if logged is not None and self.last_log_loss is not None and len(self.swings) >= SWING_STEPS // 2:
             swing = math.exp(statistics.median(list(self.swings) + [abs(logged - self.last_log_loss)]))
             if swing > self.ratio:
@@ -228,7 +243,7 @@ class StabilityWatch:
             if logged is None or len(band.values) < 2:
                 continue
             median, bound = band.stats(self.z, self.ratio)
-            if logged > bound:
+            if logged > bound and (name != "loss" or logged > self._floor()):
                 return (f"{name} {value:.4g} is {value / math.exp(median):.3g}x its median {math.exp(median):.4g} over "
                         f"the last {len(band.values)} steps, past the band ({math.exp(bound):.4g}: z={self.z:g} "
                         f"robust sigmas and at least {self.ratio:g}x)")
@@ -238,7 +253,12 @@ class StabilityWatch:
         """Adds one applied step with its agreed judgement; returns whether it starts trouble (the first unstable step
         after stable ones)."""
         self.seen += 1
-        logged = self._log(loss)
+        if loss is not None and math.isfinite(loss) and loss <= 0:
+            self.loss_positive = False
+        loss = loss if self.loss_positive else None
+        if len(self.early) < self.warmup and self._log(loss) is not None:
+            self.early.append(self._log(loss))
+        logged = self._floored(self._log(loss))
         if logged is not None:
             if self.last_log_loss is not None:
                 self.swings.append(abs(logged - self.last_log_loss))
@@ -262,7 +282,8 @@ class StabilityWatch:
         """Everything :meth:`load_state_dict` needs to continue exactly (JSON-ready)."""
         return {"version": 1, "bands": {k: list(b.values) for k, b in self.bands.items()}, "seen": self.seen,
                 "unstable_steps": self.unstable_steps, "trouble_since": self.trouble_since,
-                "swings": list(self.swings), "last_log_loss": self.last_log_loss}
+                "swings": list(self.swings), "last_log_loss": self.last_log_loss, "early": list(self.early),
+                "loss_positive": self.loss_positive}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output; missing keys take their fresh values (an older checkpoint)."""
@@ -271,6 +292,8 @@ class StabilityWatch:
         self.swings = deque((float(v) for v in state.get("swings", [])), maxlen=SWING_STEPS)
         last = state.get("last_log_loss")
         self.last_log_loss = None if last is None else float(last)
+        self.early = [float(v) for v in state.get("early", [])]
+        self.loss_positive = bool(state.get("loss_positive", True))
         self.seen = int(state.get("seen", 0))
         self.unstable_steps = int(state.get("unstable_steps", 0))
         since = state.get("trouble_since")
