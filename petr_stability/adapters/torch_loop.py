@@ -1,6 +1,7 @@
 """GuardIO for a plain PyTorch training loop (no runner): the guard in a hand-written loop, benchmarks, tests."""
+import contextlib
 import copy
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -37,12 +38,21 @@ class TorchLoopIO(GuardIO):
         max_iters: the loop's last iteration count, where known: under a process group its verdict is then agreed
             at once (the others are agreed during the next iteration; without it, call ``driver.after_epoch()``
             after the last iteration). Defaults to None.
+        forward: ``forward(model, batch) -> loss`` (a tensor, or a dict of ``*loss*`` tensors), the loop's own loss
+            computation: with it the guard re-runs a failing batch (on the live weights, the healthy ones, and the
+            last good batch) to tell bad data from training dynamics and from an fp16 overflow in one module; without
+            it there is no replay diagnosis. Defaults to None.
+        autocast: a zero-argument callable returning the context manager the loop's forward runs in (``lambda:
+            torch.autocast('cpu', dtype=torch.float16)``), so that a replay computes in the training precision.
+            Defaults to None (a null context: the forward as it is).
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any = None,
                  clip_kwargs: Optional[Dict[str, Any]] = None, work_dir: Optional[str] = None,
                  log_fn: Callable[[str], Any] = print, config: Optional[Dict[str, Any]] = None, loader: Any = None,
-                 schedulers: Sequence[Any] = (), writer: Any = None, max_iters: Optional[int] = None) -> None:
+                 schedulers: Sequence[Any] = (), writer: Any = None, max_iters: Optional[int] = None,
+                 forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+                 autocast: Optional[Callable[[], ContextManager[Any]]] = None) -> None:
         self.work_dir = work_dir
         self.net = model
         self.opt = optimizer
@@ -59,6 +69,8 @@ class TorchLoopIO(GuardIO):
         self.schedulers = list(schedulers)
         self.writer = writer
         self.max_iters = max_iters
+        self.forward = forward
+        self.autocast = autocast if autocast is not None else contextlib.nullcontext
 
     def clip(self, params: Any) -> Any:
         """Clips (and observes) the gradients of ``params`` with the live clip arguments."""
@@ -113,6 +125,18 @@ class TorchLoopIO(GuardIO):
 
     def train_loader(self) -> Any:
         return self.loader
+
+    def rerun_forward(self, batch: Any) -> Optional[Callable[[], Any]]:
+        if self.forward is None or batch is None:
+            return None
+        model, forward, autocast = self.net, self.forward, self.autocast
+
+        def run() -> Any:
+            # The loop's forward on the unwrapped model, in the training precision (the replay's contract).
+            with autocast():
+                return forward(model, batch)
+
+        return run
 
     def lr_schedulers(self) -> List[Any]:
         return self.schedulers

@@ -1,0 +1,274 @@
+"""The guard on the model zoo (petr_stability/testing/zoo.py): every model x scenario x variant x seed, per CPU kernel
+set, and the criteria it is held to.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/zoo.py [--seeds 0-19] [--models causal_ts,detr,...]
+        [--scenarios none,too_high_lr,...] [--kernels native,default] [--guard-kwargs JSON]
+        [--out docs/results/zoo_<name>_cpu.json]
+
+Each kernel set runs in a process of its own (``native``: this CPU's best kernels; ``default``: torch's portable ones,
+``ATEN_CPU_CAPABILITY=default``; torch picks them as it starts). Per model and seed one ``reference`` run (the
+stable learning rate, nothing planted, no guard); per scenario an ``unguarded`` run (the fault planted, no guard;
+for ``none`` the reference is that run) and a ``guarded`` one. Printed per kernel set, model and scenario:
+unguarded lost n/N, guarded lost n/N, false stops (the guard raised), the classes seen, quarantined samples (runs
+whose quarantine is exactly the planted sample / runs with a wrong one), incidents where nothing was planted, the
+guarded median held-out loss over the reference's (the ratio) and how many guarded runs lie inside the reference's
+own min-max over the same seeds, for seeds 0-9 and 10-19 apart and together; then PASS or FAIL on the criteria:
+
+- every model x scenario: unguarded lost where a fault is planted; guarded: no false stop, no incident where
+  nothing is planted, the right class (:func:`petr_stability.testing.zoo.right_class`);
+- over all the seeds run: no guarded run lost, the guarded median within 5% of the reference's, and at least 90%
+  of the guarded runs (18 of 20) inside the reference's own spread.
+
+The raw rows (one per run, every field of ``ZooResult``) and the summary go to ``--out`` as JSON.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria"]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
+
+
+def parse_seeds(text: str) -> List[int]:
+    """``'0-19'``, ``'0,3,5'`` or ``'0-2,7'`` -> the seeds, in order, each once."""
+    seeds: List[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        for s in range(int(lo), int(hi or lo) + 1):
+            if s not in seeds:
+                seeds.append(s)
+    if not seeds:
+        raise ValueError(f"no seeds in {text!r}")
+    return seeds
+
+
+def _names(text: str, allowed: Sequence[str], what: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ValueError(f"unknown {what} {unknown or text!r}; choose from {list(allowed)}")
+    return names
+
+
+def one_kernel_set(models: List[str], scenarios: List[str], seeds: List[int],
+                   guard_kwargs: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+    """Every run in this process's kernels: one JSON-ready row each (progress on stderr)."""
+    from petr_stability.testing import zoo
+
+    warnings.simplefilter("ignore")
+    rows = []
+    for model in models:
+        for seed in seeds:
+            plan: List[Tuple[str, str]] = [("none", "reference")]
+            for scenario in scenarios:
+                plan += [(scenario, "unguarded")] if scenario != "none" else []
+                plan += [(scenario, "guarded")]
+            for scenario, variant in plan:
+                row = zoo.result_dict(zoo.run(model, scenario, variant, seed, guard_kwargs=guard_kwargs))
+                rows.append(row)
+                print(f"{model:<9} {scenario:<14} {variant:<9} seed {seed:>2}: lost {row['lost']!s:<5} "
+                      f"eval {row['eval_loss']} error {row['error_type']} causes {row['causes']} "
+                      f"{row['wall_s']}s", file=sys.stderr, flush=True)
+    return rows
+
+
+def _median(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def _evals(rows: List[Dict[str, Any]]) -> List[float]:
+    return [r["eval_loss"] for r in rows if r["eval_loss"] is not None and not r["lost"]]
+
+
+def _compare(guarded: List[Dict[str, Any]], reference: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Guarded against the reference over one set of seeds: median ratio, runs inside the reference's min-max."""
+    ref = [r["eval_loss"] for r in reference if r["eval_loss"] is not None]
+    g_med, r_med = _median(_evals(guarded)), _median(ref)
+    lo, hi = (min(ref), max(ref)) if ref else (None, None)
+    inside = sum(1 for r in guarded if r["eval_loss"] is not None and not r["lost"] and lo <= r["eval_loss"] <= hi) \
+        if ref else 0
+    return {"seeds": len(guarded), "guarded_median": g_med, "reference_median": r_med,
+            "ratio": g_med / r_med if g_med is not None and r_med else None,
+            "reference_min": lo, "reference_max": hi, "inside_spread": inside}
+
+
+def _cell(rows: List[Dict[str, Any]], model: str, scenario: str) -> Dict[str, Any]:
+    """One model x scenario in one kernel set."""
+    from petr_stability.testing.zoo import ZooResult, right_class
+
+    reference = [r for r in rows if r["model"] == model and r["variant"] == "reference"]
+    unguarded = reference if scenario == "none" else [
+        r for r in rows if r["model"] == model and r["scenario"] == scenario and r["variant"] == "unguarded"]
+    guarded = [r for r in rows if r["model"] == model and r["scenario"] == scenario and r["variant"] == "guarded"]
+    classes: Dict[str, int] = {}
+    for r in guarded:
+        for c in r["causes"]:
+            classes[c] = classes.get(c, 0) + 1
+    wrong_class = []
+    for r in guarded:
+        ok, why = right_class(ZooResult(**{k: v for k, v in r.items() if k in ZooResult.__dataclass_fields__}))
+        if not ok:
+            wrong_class.append({"seed": r["seed"], "why": why})
+    planted = [r for r in guarded if r["planted"] is not None]
+    out = {
+        "unguarded_lost": sum(r["lost"] for r in unguarded), "unguarded_runs": len(unguarded),
+        "guarded_lost": sum(r["lost"] for r in guarded), "guarded_runs": len(guarded),
+        "false_stops": [{"seed": r["seed"], "error": r["error_type"], "message": (r["error_message"] or "")[:300]}
+                        for r in guarded if not r["finished"]],
+        "classes": classes,
+        "quarantine_right": sum(1 for r in planted if r["quarantined"] == [r["planted"]]),
+        "quarantine_wrong": sum(1 for r in guarded if any(i != r["planted"] for i in r["quarantined"])),
+        "incidents_unplanted": sum(1 for r in guarded if scenario == "none" and r["incidents"]),
+        "wrong_class": wrong_class,
+        "iters_lost": sum(r["iters_lost"] for r in guarded),
+        "wall_s": round(sum(r["wall_s"] for r in guarded + unguarded), 1),
+    }
+    seeds = sorted({r["seed"] for r in guarded})
+    for name, group in GROUPS + (("all", seeds),):
+        g = [r for r in guarded if r["seed"] in group]
+        ref = [r for r in reference if r["seed"] in group]
+        if g and (name == "all" or len(g) < len(guarded)):
+            out[f"seeds_{name}"] = _compare(g, ref)
+    return out
+
+
+def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per kernel set, model and scenario: the counts and comparisons above."""
+    out: Dict[str, Any] = {}
+    for kernels in sorted({r["kernels"] for r in rows}):
+        mine = [r for r in rows if r["kernels"] == kernels]
+        for model in sorted({r["model"] for r in mine}):
+            for scenario in [s for s in _order(mine) if any(r["scenario"] == s and r["model"] == model
+                                                             and r["variant"] == "guarded" for r in mine)]:
+                out[f"{kernels}/{model}/{scenario}"] = _cell([r for r in mine if r["model"] == model], model,
+                                                             scenario)
+    return out
+
+
+def _order(rows: List[Dict[str, Any]]) -> List[str]:
+    from petr_stability.testing.zoo import SCENARIOS
+
+    return [s for s in SCENARIOS if any(r["scenario"] == s for r in rows)]
+
+
+def criteria(key: str, cell: Dict[str, Any]) -> List[str]:
+    """The criteria this cell fails (empty: PASS)."""
+    scenario = key.split("/")[-1]
+    fails = []
+    if scenario != "none" and cell["unguarded_lost"] < cell["unguarded_runs"]:
+        fails.append(f"unguarded lost only {cell['unguarded_lost']}/{cell['unguarded_runs']}")
+    if cell["false_stops"]:
+        fails.append(f"{len(cell['false_stops'])} false stop(s)")
+    if cell["incidents_unplanted"]:
+        fails.append(f"incidents in {cell['incidents_unplanted']} run(s) where nothing is planted")
+    if cell["wrong_class"]:
+        fails.append(f"wrong class in {len(cell['wrong_class'])} run(s)")
+    if cell["guarded_lost"]:
+        fails.append(f"guarded lost {cell['guarded_lost']}/{cell['guarded_runs']}")
+    total = cell["seeds_all"]
+    if total["ratio"] is None or abs(total["ratio"] - 1.0) > 0.05:
+        fails.append(f"guarded median / reference median = {_fmt(total['ratio'])} (not within 5%)")
+    need = -(-9 * total["seeds"] // 10)  # 18 of 20
+    if total["inside_spread"] < need:
+        fails.append(f"{total['inside_spread']}/{total['seeds']} guarded runs inside the reference's spread "
+                     f"(need {need})")
+    return fails
+
+
+def _fmt(x: Optional[float], digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def report(summary: Dict[str, Any]) -> Tuple[List[str], int]:
+    """The printed table and the number of cells that FAIL."""
+    lines, failed = [], 0
+    for key, cell in summary.items():
+        fails = criteria(key, cell)
+        failed += bool(fails)
+        lines.append(f"{key}: {'PASS' if not fails else 'FAIL: ' + '; '.join(fails)}")
+        lines.append(f"  unguarded lost {cell['unguarded_lost']}/{cell['unguarded_runs']}, guarded lost "
+                     f"{cell['guarded_lost']}/{cell['guarded_runs']}, false stops {len(cell['false_stops'])}, "
+                     f"classes {cell['classes'] or '-'}, quarantined right/wrong {cell['quarantine_right']}/"
+                     f"{cell['quarantine_wrong']}, incidents where nothing planted {cell['incidents_unplanted']}, "
+                     f"iterations lost {cell['iters_lost']}")
+        for name in ("0-9", "10-19", "all"):
+            c = cell.get(f"seeds_{name}")
+            if c:
+                lines.append(f"  seeds {name:<5}: guarded median {_fmt(c['guarded_median'])} / reference median "
+                             f"{_fmt(c['reference_median'])} = {_fmt(c['ratio'])}; inside the reference's spread "
+                             f"[{_fmt(c['reference_min'])}, {_fmt(c['reference_max'])}]: {c['inside_spread']}/"
+                             f"{c['seeds']}")
+        for stop in cell["false_stops"][:3]:
+            lines.append(f"  stop seed {stop['seed']}: {stop['error']}: {stop['message'][:160]}")
+        for wrong in cell["wrong_class"][:3]:
+            lines.append(f"  class seed {wrong['seed']}: {wrong['why'][:160]}")
+    return lines, failed
+
+
+def _child(a: argparse.Namespace, kernels: str) -> List[Dict[str, Any]]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if kernels == "default":
+        env["ATEN_CPU_CAPABILITY"] = "default"
+    else:
+        env.pop("ATEN_CPU_CAPABILITY", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", "--seeds", a.seeds, "--models", a.models,
+           "--scenarios", a.scenarios, "--guard-kwargs", json.dumps(a.guard_kwargs)]
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return [dict(r, kernels=kernels) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from petr_stability.testing.zoo import MODELS, SCENARIOS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="0-19", help="e.g. 0-19, 0,3,5 or 0-2,7")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--kernels", default="native,default", help="native, default, or both")
+    p.add_argument("--guard-kwargs", type=json.loads, default={}, help="JSON object of guard settings")
+    p.add_argument("--out", default=None, help="JSON file for the raw rows and the summary")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: this kernel set, rows on stdout
+    a = p.parse_args(argv)
+    try:
+        seeds = parse_seeds(a.seeds)
+        models = _names(a.models, MODELS, "model")
+        scenarios = _names(a.scenarios, SCENARIOS, "scenario")
+        kernel_sets = _names(a.kernels, ("native", "default"), "kernel set")
+    except ValueError as exc:
+        p.error(str(exc))
+    if not isinstance(a.guard_kwargs, dict):
+        p.error(f"--guard-kwargs must be a JSON object, got {a.guard_kwargs!r}")
+    if a.one:
+        print(json.dumps(one_kernel_set(models, scenarios, seeds, a.guard_kwargs)))
+        return 0
+    t0 = time.perf_counter()
+    rows = [r for kernels in kernel_sets for r in _child(a, kernels)]
+    summary = summarize(rows)
+    lines, failed = report(summary)
+    print("\n".join(lines))
+    print(f"{len(summary) - failed} PASS, {failed} FAIL of {len(summary)}; {len(rows)} runs, "
+          f"wall {time.perf_counter() - t0:.0f}s")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w", encoding="utf-8") as f:
+            json.dump({"argv": argv if argv is not None else sys.argv[1:], "seeds": seeds, "models": models,
+                       "scenarios": scenarios, "kernels": kernel_sets, "guard_kwargs": a.guard_kwargs,
+                       "summary": summary, "criteria": {k: criteria(k, c) for k, c in summary.items()},
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The guard on the model zoo, seed 0 (petr_stability/testing/zoo.py; benchmarks/zoo.py runs every seed).
+
+One test per model x scenario, each asserting what one seed can show: the unguarded run is lost where a fault is
+planted; the guarded run finishes (no false stop), is not lost, gives its scenario's class (a data fault: exactly the
+planted sample quarantined, no module in fp32, no learning-rate change; nothing planted: no incident record at all),
+and ends with a held-out loss no worse than ``EVAL_BOUND`` times the same seed's reference run. Each test reports
+every criterion it misses, not only the first.
+
+Many of these fail against the guard as it is today: that is what the zoo is for (docs/results/zoo_before_cpu.json).
+"""
+import pytest
+
+from petr_stability.testing import zoo
+
+pytestmark = pytest.mark.numerics
+
+SEED = 0
+
+#: The guarded held-out loss may be this much above the same seed's reference. Measured (benchmarks/zoo.py, seeds 0-2,
+#: native kernels, docs/results/zoo_before_cpu.json, detr and cnn_bn as they were then): a guarded run the guard
+#: handled right (the right class, finished, not lost: 43 runs over data and nan_weights) ends 0.45-1.37x its seed's
+#: reference, median 1.00; measured again with detr and cnn_bn as they are now (pre-norm detr without warm-up, cnn_bn
+#: on SGD; seeds 0-2, native): all 45 such runs handled right, 0.74-1.37x, median 1.03 (the highest detr's seed 0
+#: data runs). One sample fewer, a skipped step or a rollback sends these small runs down another path, as another
+#: seed would (the reference's own worst seed of 0-19 is 1.30x its median for causal_ts, 1.31x for detr, 1.62x for
+#: rnn). 1.4x passes all of them and still fails a recovery that costs the run (rnn too_high_lr: 1.85x; causal_ts
+#: too_high_lr: 780x; cnn_bn too_high_lr: 2.6-3.6x, its features in fp32 and the rate halved once, still 4x the stable
+#: rate). Under the default kernels detr's seed-0 data runs end 1.24x (0.125 against 0.101).
+EVAL_BOUND = 1.4
+
+_RUNS = {}
+
+
+def _run(model, scenario, variant):
+    key = (model, scenario, variant)
+    if key not in _RUNS:
+        _RUNS[key] = zoo.run(model, scenario, variant, SEED)
+    return _RUNS[key]
+
+
+def _failures(model, scenario):
+    reference = _run(model, "none", "reference")
+    guarded = _run(model, scenario, "guarded")
+    failures = []
+    if scenario != "none":
+        unguarded = _run(model, scenario, "unguarded")
+        if not unguarded.lost:
+            failures.append(f"the unguarded run is not lost (scale {unguarded.loss_scale}, eval "
+                            f"{unguarded.eval_loss}): the fault did not take")
+    if not guarded.finished:
+        failures.append(f"false stop: {guarded.error_type}: {(guarded.error_message or '')[:400]}")
+    if guarded.lost:
+        failures.append(f"the guarded run is lost (state finite {guarded.state_finite}, eval {guarded.eval_loss}, "
+                        f"scale {guarded.loss_scale})")
+    ok, why = zoo.right_class(guarded)
+    if not ok:
+        failures.append(f"wrong class: {why}; records: {_records(guarded)}")
+    if reference.eval_loss is None:
+        failures.append("the reference run has no finite held-out loss")
+    elif guarded.eval_loss is None or guarded.eval_loss > EVAL_BOUND * reference.eval_loss:
+        failures.append(f"held-out loss {guarded.eval_loss} against the reference's {reference.eval_loss:.4f} "
+                        f"(bound {EVAL_BOUND}x)")
+    return failures
+
+
+def _records(result):
+    return [{k: r[k] for k in ("event", "iteration", "cause", "evidence", "targets", "quarantined")}
+            for r in result.incidents][:6]
+
+
+@pytest.mark.parametrize("scenario", zoo.SCENARIOS)
+@pytest.mark.parametrize("model", zoo.MODELS)
+def test_zoo(model, scenario):
+    failures = _failures(model, scenario)
+    assert not failures, f"{model} / {scenario}, seed {SEED}:\n- " + "\n- ".join(failures)
+
+
+def test_bright_sample_overflows_an_fp16_forward():
+    """The bright sample is finite, finite in fp16, and overflows an fp16 forward of every model (built for seed 0)."""
+    from torch.utils.data._utils.collate import default_collate
+
+    for model in zoo.MODELS:
+        spec = zoo.spec(model)
+        train, _ = spec.datasets(SEED)
+        index = zoo.planted_index(model, SEED)
+        bright = zoo.plant_data(train, "bright_sample", index, spec.input_key)[index]
+        x = bright[spec.input_key]
+        assert bool(x.isfinite().all()) and float(x.abs().max()) < zoo.FP16_MAX, model
+        assert zoo.fp16_overflows(spec.build(SEED), spec.forward, default_collate([bright])), model
