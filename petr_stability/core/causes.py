@@ -58,8 +58,8 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              "same inputs is finite; the known-good batch overflows too, or no row breaks alone, or a batch with no "
              "sample in common overflowed it before",
              "run that module in fp32 from now on; where the same batch stays finite in fp16 on the healthy "
-             "weights (the weights grew into the overflow), learning rate x {lr_backoff} (schedules too) as well "
-             "(lr_on_overflow); roll back (already in fp32: structural)",
+             "weights (the weights grew into the overflow), learning rate x {overflow_lr_backoff} (schedules too) as "
+             "well (lr_on_overflow); roll back (already in fp32: structural)",
              True, "the module named runs in fp32; the patched config carries the switch"),
     CauseRow(Cause.DATA, "data",
              "the batch arrives non-finite at the model's input, or breaks the healthy weights too while a batch "
@@ -136,7 +136,8 @@ class Classification:
         object.__setattr__(self, "ranks", dict(self.ranks))
         if not self.action:  # the table's text; the policy writes this run's ladder and lr_backoff into it
             object.__setattr__(self, "action", row(self.cause).action.format(ladder="the ladder's rungs",
-                                                                             lr_backoff="lr_backoff"))
+                                                                             lr_backoff="lr_backoff",
+                                                                             overflow_lr_backoff="overflow_lr_backoff"))
 
     def but(self, **changes: Any) -> "Classification":
         """A copy with ``changes`` (``signals`` replaces the whole mapping: merge it yourself)."""

@@ -75,7 +75,7 @@ CORE_SETTINGS: Tuple[Setting, ...] = (
     Setting("spike_warmup", 25, is_int(2), "values the early warning needs before it speaks."),
     Setting("stability_window", 50, is_int(2), "healthy means stable: the window of recent steps whose loss and "
             "grad_norm make the run's band (a step out of it confirms no snapshot; docs/how-it-works.md)."),
-    Setting("stability_z", 6.0, is_number(), "a step is out of the band when its loss or grad_norm is this many robust "
+    Setting("stability_z", 3.0, is_number(), "a step is out of the band when its loss or grad_norm is this many robust "
             "standard deviations (log scale) above the window's median..."),
     Setting("stability_ratio", 4.0, is_number(1.0), "...and at least this many times the median."),
     Setting("stability_warmup", 5, is_int(1), "applied steps before any is judged against the band (the first "

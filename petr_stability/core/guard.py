@@ -200,7 +200,8 @@ class NanGuard:
                                             or iteration % self.config.snapshot_interval == 0)
         self._check(signals, snapshot_due)
         step = _Step(signals, self._judge(signals, self.detector.observe(signals)), reading, snapshot_due, epoch)
-        if step.decision.streak_start and signals.weights_finite is True:
+        if step.decision.streak_start and signals.weights_finite is True and self.stability.trouble_since is None:
+            # (Not inside a loss explosion: the state before the streak is on its path then, no restore point.)
             # Trouble starts: the first skipped step of a streak left the last applied step's weights, checked finite.
             step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
                                                           self.policy.tags(), at_trouble=True))

@@ -67,7 +67,7 @@ def test_the_ladder_text_follows_the_settings():
     assert CausePolicy(GuardConfig(lr_backoff=0.25)).ladder_text() == (
         "the known manual fix (transformer dropout 0, max_norm 1), then learning rate x 0.25 (schedules too) (again "
         "at each incident while it can act: down to lr_min_factor), then optimizer moments reset")
-    custom = CausePolicy(GuardConfig(ladder=[["lr"], ["clip", "dropout"]]))
+    custom = CausePolicy(GuardConfig(ladder=[["lr"], ["clip", "dropout"]], lr_backoff=0.5))
     assert custom.ladder_text() == ("learning rate x 0.5 (schedules too) (again at each incident while it can act: "
                                     "down to lr_min_factor), then the known manual fix (transformer dropout 0, "
                                     "max_norm 1)")
@@ -122,7 +122,7 @@ def test_dropout_zeroes_once_and_again_on_resume():
 
 
 def test_lr_backoff_lasts_and_a_restore_tag_brings_an_older_state_back():
-    config, io = GuardConfig(), FakeIO()
+    config, io = GuardConfig(lr_backoff=0.5), FakeIO()
     remedies = Remedies(config)
     tags_before = remedies.tags()
     _fire(remedies, When.AFTER_RESTORE, io, cls=Classification(Cause.DYNAMICS, "x"), names=["lr"])
@@ -178,7 +178,7 @@ def test_lr_rewarm_gives_the_rate_back_after_healthy_steps_and_waits_longer_once
     off, io2 = Remedies(GuardConfig()), FakeIO()
     _fire(off, When.AFTER_RESTORE, io2, cls=dynamics, names=["lr"])
     assert all(_fire(off, When.HEALTHY, io2, iteration=i).changes == () for i in range(1, 500))
-    assert off.get("lr").lr_factor == 0.5
+    assert off.get("lr").lr_factor == 0.125
     # A factor that does not divide back exactly (0.3 * 0.3 / 0.3 / 0.3) still lands on the schedule's own rate.
     odd, io3 = Remedies(GuardConfig(lr_backoff=0.3, lr_rewarm=1)), FakeIO()
     for _ in range(2):
@@ -284,8 +284,12 @@ def test_lr_assists_a_forward_overflow_only_where_the_weights_grew_into_it():
     assert not no_fp32.enabled(Cause.FORWARD_OVERFLOW)  # the rollback alone is no answer (it was, before)
     c, changes = no_fp32.before_restore(grew, FakeIO(), [], 1)
     assert c.cause == Cause.DYNAMICS and "the fp32 remedy is off: the ladder instead" in c.evidence and changes
-    action = CausePolicy(GuardConfig(lr_backoff=0.25)).action_text(Cause.FORWARD_OVERFLOW)
+    action = CausePolicy(GuardConfig(overflow_lr_backoff=0.25)).action_text(Cause.FORWARD_OVERFLOW)
     assert "grew into the overflow" in action and "x 0.25" in action
+    # The ladder's own factor is lr_backoff (0.125: the model zoo's), the overflow's overflow_lr_backoff (0.5).
+    remedies, io = Remedies(GuardConfig()), FakeIO()
+    _fire(remedies, When.AFTER_RESTORE, io, cls=Classification(Cause.DYNAMICS, "x"), names=["lr"])
+    assert remedies.get("lr").lr_factor == 0.125
 
 
 def test_temporal_reset_and_rollback_switch():
@@ -448,12 +452,14 @@ def _chain(config):
 def test_the_learning_rate_rung_repeats_down_to_lr_min_factor_then_the_next_rung():
     # A rate 5-8x too high needs three halvings (the model zoo): one backoff per incident of a chain, down to
     # lr_min_factor, before the moments reset and, past it, structural with the spent signal (no re-check then).
-    seen, io = _chain(GuardConfig())
+    seen, io = _chain(GuardConfig(lr_backoff=0.5, lr_min_factor=0.0625))
     assert [s[0] for s in seen] == [1.0, 0.5, 0.25, 0.125, 0.0625, 0.0625, "structural"]
     assert seen[-1] == ("structural", "ladder") and "optimizer0" in seen[4][1] and "optimizer0" not in seen[5][1]
     assert io.opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.0625)
     # lr_min_factor=0.5: one halving, as the ladder did before.
-    assert [s[0] for s in _chain(GuardConfig(lr_min_factor=0.5))[0]] == [1.0, 0.5, 0.5, "structural"]
+    assert [s[0] for s in _chain(GuardConfig(lr_backoff=0.5, lr_min_factor=0.5))[0]] == [1.0, 0.5, 0.5, "structural"]
+    # At the defaults (0.125 down to 1/64): two rungs of the rate.
+    assert [s[0] for s in _chain(GuardConfig())[0]] == [1.0, 0.125, 0.0156, 0.0156, "structural"]
     # The rung switched off repeats nothing (never forever).
     off = [s[0] for s in _chain(GuardConfig(remedies=[r for r in REMEDIES if r != "lr"]))[0]]
     assert off == [1.0, 1.0, 1.0, "structural"]

@@ -43,11 +43,13 @@ def test_an_explosion_is_trouble_from_its_first_step_and_does_not_widen_the_band
     assert watch.judge(300.0, 2.0) is not None
     # Back in band, the loss still swinging 10x from step to step: no stable regime until the swings calm down.
     reasons = []
-    for i in range(105, 105 + SWING_STEPS):
+    for i in range(105, 105 + 2 * SWING_STEPS):
         why = watch.judge(2.0, 2.0)
         reasons.append(why)
         watch.update(2.0, 2.0, why is not None, i)
     assert "swings" in reasons[0] and reasons[-1] is None and watch.trouble_since is None
+    # Trouble ends after a few stable steps in a row, not at the first one.
+    assert reasons[-SWING_STEPS // 2 - 1:] == [None] * (SWING_STEPS // 2 + 1)
 
 
 def test_a_loss_that_swings_wildly_from_step_to_step_is_no_stable_regime():

@@ -211,7 +211,8 @@ class CausePolicy:
     def action_text(self, cause: Cause) -> str:
         """The table's action for ``cause`` with this run's ladder and ``lr_backoff`` filled in."""
         backoff = getattr(self.config, "lr_backoff", "lr_backoff")
-        return row(cause).action.format(ladder=self.ladder_text(), lr_backoff=backoff)
+        overflow = getattr(self.config, "overflow_lr_backoff", "overflow_lr_backoff")
+        return row(cause).action.format(ladder=self.ladder_text(), lr_backoff=backoff, overflow_lr_backoff=overflow)
 
     def enabled(self, cause: Cause) -> bool:
         """Whether any remedy for ``cause`` is switched on."""

@@ -107,15 +107,19 @@ class LrBackoff(Remedy):
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
     assists = (Cause.FORWARD_OVERFLOW,)
     events = (When.AFTER_RESTORE, When.RESTORED, When.HEALTHY)
-    settings = (Setting("lr_backoff", 0.5, is_number(0.0, 1.0), "learning-rate factor of the dynamics ladder's "
-                        "second rung and of ``lr_on_overflow`` (every param group and schedule)."),
+    settings = (Setting("lr_backoff", 0.125, is_number(0.0, 1.0), "learning-rate factor of the dynamics ladder's "
+                        "learning-rate rung (every param group and schedule). Tuned on the model zoo's seeds 0-9: a "
+                        "rate 5-8x too high trains to its reference's quality at 0.125, not at 0.5 (docs/zoo.md)."),
+                Setting("overflow_lr_backoff", 0.5, is_number(0.0, 1.0), "learning-rate factor of "
+                        "``lr_on_overflow``, beside the module put in fp32 (tuned on the demo's seeds 0-9: 0.5 "
+                        "beats 0.25 and 0.125 there, docs/demo.md)."),
                 Setting("lr_on_overflow", True, is_bool, "a forward overflow whose batch stays finite in fp16 on "
                         "the healthy weights (the weights grew into it: the learning rate drove them there) also "
-                        "backs the learning rate off by ``lr_backoff``, beside the module in fp32; False: the module "
-                        "in fp32 only (docs/demo.md measures both)."),
-                Setting("lr_min_factor", 0.0625, is_number(0.0, 1.0), "the dynamics ladder's learning-rate "
+                        "backs the learning rate off by ``overflow_lr_backoff``, beside the module in fp32; False: the "
+                        "module in fp32 only (docs/demo.md measures both)."),
+                Setting("lr_min_factor", 1 / 64, is_number(0.0, 1.0), "the dynamics ladder's learning-rate "
                         "rung repeats, one backoff per incident of a chain, while the factor stays at or above this "
-                        "(1/16: four halvings at the default lr_backoff); then the next rung."),
+                        "(1/64: two rungs at the default lr_backoff); then the next rung."),
                 Setting("lr_rewarm", 0, is_int(0), "healthy iterations in a row after a learning-rate backoff "
                         "before the rate is raised again by ``1 / lr_backoff`` toward the schedule's (never above "
                         "it); 0: a backoff lasts the run (docs/demo.md measures both)."))
@@ -153,11 +157,13 @@ class LrBackoff(Remedy):
             return scale_lr(ctx.io.optimizers(), self.lr_factor / then, ctx.io.restored_lr_schedulers())
         if ctx.event == When.HEALTHY:
             return self._rewarm(ctx)
-        self.lr_factor *= self.config.lr_backoff
+        factor = self.config.overflow_lr_backoff if ctx.cls is not None and (
+            ctx.cls.cause == Cause.FORWARD_OVERFLOW) else self.config.lr_backoff
+        self.lr_factor *= factor
         # A backoff after a re-warm: that re-warm came too soon, the next one waits twice as long.
         self.lr_rewarm_wait = self.lr_rewarm_wait * 2 if self.lr_rewarms else self.config.lr_rewarm
         self.lr_healthy_run, self.lr_last_healthy = 0, -1
-        return scale_lr(ctx.io.optimizers(), self.config.lr_backoff, ctx.io.lr_schedulers())
+        return scale_lr(ctx.io.optimizers(), factor, ctx.io.lr_schedulers())
 
     def _rewarm(self, ctx: Context) -> List[Change]:
         if ctx.iteration <= self.lr_last_healthy:  # the iteration went back: a rollback, stability counts afresh
