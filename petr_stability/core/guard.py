@@ -164,7 +164,8 @@ class NanGuard:
         self.checks.capture_design(self.io.model())  # the run's start state (a resumed one included)
         self.points.start = self.points.take(iteration, epoch, recycle=False, generation=self.recoveries,
                                              tags=self.policy.tags())
-        self.replicas.start(self.io, iteration)  # every rank: one comparison of the copies the run starts from
+        if distributed.get_world_size() > 1:  # every rank: one comparison of the copies the run starts from
+            self.replicas.start(self.io, iteration)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
