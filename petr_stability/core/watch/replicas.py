@@ -324,7 +324,10 @@ class ReplicaCheck:
                   f"{len({row['name'] for row in rows})} tensor(s){largest}")
         action = (f"rank {found.reference}'s model and optimizer state sent to rank(s) {ranks}" if repaired else
                   "none: the rank keeps drifting, the run stops (ReplicaDriftError)")
-        cause = {"cause": "replica_drift", "evidence": reason, "action": action, "modules": [],
+        evidence = (f"the replica check of iter {issued.signals.iteration}: the digests of "
+                    f"{len(found.tensors)} of {checked} compared tensor(s) differ from rank {found.reference}'s on "
+                    f"rank(s) {ranks}, every differing value finite")
+        cause = {"cause": "replica_drift", "evidence": evidence, "action": action, "modules": [],
                  "signals": {"tensors_checked": checked, "checks": self.counts["checks"]},
                  "ranks": {str(r): "replica_drift" for r in found.drifted}}
         changes = [Change(f"rank {r}: model and optimizer state", "its own copy (drifted)",
