@@ -53,20 +53,29 @@ def _raw_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t.view(_INTS[t.element_size()])
 
 
-def tensor_digest(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 on ``t``'s device: the sum of its raw bits (any change of one element changes it) and the sum of each
-    element's bits XOR the next one's (an exchange of two elements changes it). Integer sums wrap alike on every rank
-    and do not depend on the order a reduction adds in."""
+def _sums(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tensor_digest`'s two sums as 0-d tensors on ``t``'s device (a tensor of up to :data:`_CHUNK` elements, the
+    usual case, in two reductions)."""
     bits = _raw_bits(t)
     n = bits.numel()
+    if n <= _CHUNK:
+        mixed = torch.sum(bits[:-1] ^ bits[1:], dtype=torch.int64)
+        return torch.sum(bits, dtype=torch.int64), mixed  # second: the bits are still in cache
     total = torch.zeros((), dtype=torch.int64, device=bits.device)
     mixed = torch.zeros((), dtype=torch.int64, device=bits.device)
     for start in range(0, n, _CHUNK):
         part = bits[start:start + _CHUNK + 1]  # one element more: the pair that straddles two chunks
-        total += torch.sum(part[:_CHUNK], dtype=torch.int64)
         if part.numel() > 1:
             mixed += torch.sum(part[:-1] ^ part[1:], dtype=torch.int64)
-    return torch.stack([total, mixed])
+        total += torch.sum(part[:_CHUNK], dtype=torch.int64)
+    return total, mixed
+
+
+def tensor_digest(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 on ``t``'s device: the sum of its raw bits (any change of one element changes it) and the sum of each
+    element's bits XOR the next one's (an exchange of two elements changes it). Integer sums wrap alike on every rank
+    and do not depend on the order a reduction adds in."""
+    return torch.stack(_sums(t))
 
 
 def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -74,9 +83,9 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     in one transfer (the only host-device synchronization a check takes)."""
     if not tensors:
         return torch.zeros(0, 2, dtype=torch.int64)
-    rows = [tensor_digest(t) for t in tensors]
-    device = rows[0].device
-    return torch.stack([r.to(device) for r in rows]).cpu()
+    sums = [s for t in tensors for s in _sums(t)]
+    device = sums[0].device
+    return torch.stack([s if s.device == device else s.to(device) for s in sums]).view(-1, 2).cpu()
 
 
 def replicated_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
