@@ -286,8 +286,8 @@ class NanGuard:
 
     def _read_replicas(self, inside: bool, step: Optional[_Step] = None) -> Optional[_Step]:
         """Reads the replica check in flight (every rank at the same point) and acts on it (watch/replicas.py): a drift
-        is recorded and repaired, and no snapshot taken since the last check that found every copy the same stays a
-        restore point (it may hold the drifted copy: docs/distributed.md, "Replicas that drift apart")."""
+        is recorded and repaired, and no snapshot taken since every copy was last known the same stays a restore point
+        (it may hold the drifted copy: docs/distributed.md, "Replicas that drift apart")."""
         outcome = self.replicas.conclude(self.io, self.io.completed(inside)[0], self.recoveries)
         self._emit(outcome.records)
         if outcome.error is not None:

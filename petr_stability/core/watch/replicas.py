@@ -159,8 +159,8 @@ class Outcome:
         records: the records to write (a ``replica_drift``; a ``gave_up`` before the error).
         error: the error to raise once they are written (a rank that keeps drifting), or None.
         repaired: the drifted ranks took the reference's copy.
-        clean_since: the iteration of the last check that found every copy the same: a snapshot taken after it may
-            hold a drifted copy.
+        clean_since: the iteration since which every copy was known to be the same (the last check that found them
+            so, or the last repair): a snapshot taken after it may hold a drifted copy.
     """
 
     records: List[Dict[str, Any]] = field(default_factory=list)
@@ -215,8 +215,9 @@ class ReplicaCheck:
     Attributes:
         on: checks run in this run (decided by :meth:`start` alike on every rank).
         pending: the check issued and not read yet (plain data: a run without a process group never calls in here).
-        counts: what a checkpoint keeps: checks read, drifts found, repairs made, the iteration of the last check that
-            found every copy the same, and the recent drifts (check number, iteration, ranks).
+        counts: what a checkpoint keeps: checks read, drifts found, repairs made, the iteration since which every copy
+            was known to be the same (``last_clean``: the last check that found them so, or the last repair), and the
+            recent drifts (check number, iteration, ranks).
     """
 
     def __init__(self, interval: int, max_recoveries: int = 0, log_path: Optional[str] = None) -> None:
@@ -304,13 +305,14 @@ class ReplicaCheck:
         faulty = self._faulty(issued.signals.iteration, found.drifted)
         if not faulty and distributed.get_rank() in found.drifted:
             _load(io, dict(named), reference)
-        if not faulty:
-            self.counts["repairs"] += 1
         outcome.repaired = not faulty
         outcome.records = [self._record(issued, found, rows, len(named), now, recoveries, outcome.repaired)]
-        io.log(_line(issued.signals.iteration, found, rows, outcome.repaired, self.counts["last_clean"]), "warning")
+        io.log(_line(issued.signals.iteration, found, rows, outcome.repaired, outcome.clean_since), "warning")
         if faulty:
             outcome.error = self._give_up(io, issued, faulty, outcome.records, recoveries)
+        else:  # every copy is the same again from here on: a later drift spares the snapshots taken after now
+            self.counts["repairs"] += 1
+            self.counts["last_clean"] = now
         return outcome
 
     def _faulty(self, iteration: int, drifted: Sequence[int]) -> List[int]:
@@ -408,5 +410,5 @@ def _line(iteration: int, found: Mismatch, rows: List[Dict[str, Any]], repaired:
                       "element(s))" for r in rows[:5]) + (f"; and {len(rows) - 5} more" if len(rows) > 5 else "")
     ranks = ", ".join(map(str, found.drifted))
     then = (f"rank {found.reference}'s model and optimizer state sent to rank(s) {ranks}; snapshots taken after iter "
-            f"{clean_since} (the last check that found every copy the same) dropped" if repaired else "not repaired")
+            f"{clean_since} (every copy was last known the same there) dropped" if repaired else "not repaired")
     return f"NanGuard: replicas drifted apart at iter {iteration}: {shown}; {then}"
