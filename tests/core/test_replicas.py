@@ -57,6 +57,15 @@ def test_the_digest_of_a_large_tensor_in_chunks_is_its_digest_in_one_piece(monke
     assert tensor_digest(torch.zeros(0)).tolist() == [0, 0] and tensor_digest(torch.tensor(2.0)).shape == (2,)
 
 
+def test_the_asynchronous_gather_takes_host_tensors_and_without_a_group_gives_back_this_rank_s():
+    from petr_stability.core import distributed
+
+    t = torch.arange(4)
+    assert [x.tolist() for x in distributed.gather_tensor_async(t).wait()] == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="gathers CPU tensors over the gloo host group, got one on meta"):
+        distributed.gather_tensor_async(torch.zeros(2, device="meta"))
+
+
 def test_digests_are_one_host_tensor_of_two_int64_per_tensor():
     rows = digests([torch.randn(3), torch.ones(2, 2, dtype=torch.float16)])
     assert rows.shape == (2, 2) and rows.dtype == torch.int64 and rows.device.type == "cpu"
