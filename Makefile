@@ -30,7 +30,7 @@ test-mmengine: test-mmengine-main test-mmengine-numerics
 
 test-mmengine-main: env-mmengine
 	PETR_STABILITY_CUDA_REHEARSAL=1 .venv/bin/python -m pytest -q tests/core tests/contract tests/mmengine tests/cli \
-	  tests/distributed/mmengine tests/cuda
+	  tests/distributed/mmengine tests/distributed/torch_loop tests/cuda
 
 test-mmengine-numerics: env-mmengine
 	$(NUMERICS_AGAIN) .venv/bin/python -m pytest -q -m numerics tests/core tests/mmengine tests/cli

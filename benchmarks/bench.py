@@ -12,7 +12,11 @@ dropout 0.1, 900 queries on 'large'), so the script runs wherever torch does. Fi
 4. rollback latency vs the raw copy time of the same state (target within 2x);
 5. iterations lost per incident, per class of incident, at the defaults, with the real snapshot ring and stability
    band, vs PETR's default checkpoint interval (one epoch);
-6. on CUDA: host-device synchronizations the guard adds to a healthy step (torch.cuda.set_sync_debug_mode).
+6. on CUDA: host-device synchronizations the guard adds to a healthy step (torch.cuda.set_sync_debug_mode);
+7. the replica check's own work on one rank (issue 41; under a process group only): the digests of every parameter and
+   in-step buffer on the device and their one copy to the host, per check for both sizes' models, and amortized per
+   step at the default interval (the all-gather across ranks and its read: tests/distributed/common/
+   bench_step_agreement.py).
 """
 import argparse
 import json
@@ -37,6 +41,7 @@ from petr_stability.core.tree import iter_tensors
 from petr_stability.core.tree import nbytes as payload_nbytes
 from petr_stability.core.watch.detector import DivergenceDetector, StepSignals, Verdict
 from petr_stability.core.watch.health import all_finite, model_tensors, optimizer_tensors
+from petr_stability.core.watch.replicas import digests, replicated_tensors
 from petr_stability.core.watch.spikes import StabilityWatch
 from petr_stability.testing.reads import cuda_syncs as record_syncs
 
@@ -67,6 +72,7 @@ def sync(device: str) -> None:
 class Bench:
     def __init__(self, device: str, size: str) -> None:
         self.device = device
+        self.size = size
         self.cfg = SIZES[size]
         torch.manual_seed(0)
         self.model = Decoder(self.cfg["layers"]).to(device)
@@ -278,6 +284,26 @@ def iterations_lost(trials: int = 300, epoch_iters: int = 28130 // 8, **guard: A
     return out
 
 
+def replica_check_cost(b: Bench, step_s: float) -> Dict[str, Any]:
+    """A replica check's work on one rank, per check, for this size's model and the other size's (the other's step is
+    not measured here: its amortized figure is against this one's step x its parameter ratio)."""
+    interval = GuardConfig().replica_check_interval
+    out: Dict[str, Any] = {"interval": interval}
+    for size in sorted(SIZES):
+        model = b.model if size == b.size else Decoder(SIZES[size]["layers"]).to(b.device)
+        tensors = [t for _, t in replicated_tensors(model)]
+
+        def copy_pass(tensors: List[torch.Tensor] = tensors) -> None:
+            for t in tensors:
+                t.clone()
+
+        check = median_time(lambda tensors=tensors: digests(tensors), b.device)
+        out[size] = {"params": sum(p.numel() for p in model.parameters()), "tensors": len(tensors),
+                     "check_seconds": check, "check_vs_copy_pass": check / median_time(copy_pass, b.device)}
+    out["amortized_ratio"] = out[b.size]["check_seconds"] / (interval * step_s)
+    return out
+
+
 def cuda_syncs(b: Bench, steps: int = 20) -> Dict[str, Any]:
     # Count only what the guard adds: its after_iter on healthy steps between periodic checks.
     counted = 0
@@ -316,6 +342,7 @@ def main(argv: List[str] = None) -> int:
     res["health_check"] = health_cost(b)
     res["rollback"] = rollback_cost(b)
     res["iterations_lost"] = iterations_lost()
+    res["replica_check"] = replica_check_cost(b, res["overhead"]["step_seconds"])
     if a.device == "cuda":
         res["cuda_syncs"] = cuda_syncs(b)
     o, s, h, r, lo = (res[k] for k in ("overhead", "snapshot", "health_check", "rollback", "iterations_lost"))
@@ -339,6 +366,12 @@ def main(argv: List[str] = None) -> int:
           f"({lo['streak_data']['max']}), classed dynamics {lo['streak_dynamics']['mean']:.0f} "
           f"({lo['streak_dynamics']['max']}); vs {lo['mean_lost_epoch_checkpoint']:.0f} back to a per-epoch "
           f"checkpoint; at most {lo['snapshots_held_max']} of keep_snapshots={lo['keep_snapshots']} snapshots held")
+    rc = res["replica_check"]
+    print(f"7. replica check (one rank's work, every {rc['interval']} iterations): "
+          + "; ".join(f"{k} model ({rc[k]['params'] / 1e6:.2f} M params, {rc[k]['tensors']} tensors) "
+                      f"{1e3 * rc[k]['check_seconds']:.2f} ms = {rc[k]['check_vs_copy_pass']:.2f}x one copy"
+                      for k in sorted(SIZES))
+          + f"; amortized: {100 * rc['amortized_ratio']:.3f}% of a {size} step")
     if "cuda_syncs" in res:
         print(f"6. CUDA syncs added per healthy step: {res['cuda_syncs']['syncs_added']} "
               f"over {res['cuda_syncs']['healthy_steps']} steps")

@@ -10,6 +10,7 @@ from .core.errors import (
     NanGuardError,
     NanGuardGaveUp,
     NoHealthyStateError,
+    ReplicaDriftError,
     StructuralDivergence,
     UnsafeCheckpointError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "NoHealthyStateError",
     "StructuralDivergence",
     "BadDataError",
+    "ReplicaDriftError",
     "UnsafeCheckpointError",
     "read_incidents",
     "INCIDENT_FILE",

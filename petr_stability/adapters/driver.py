@@ -19,7 +19,8 @@ driver call                   what happens, in order
 ``before_save(ckpt)``         the checkpoint is finite (else recovered first, single process) and carries
                               the guard's state
 ``after_load(ckpt, resume)``  a non-finite checkpoint is refused; ``resume`` restores the guard's state
-``finish()``                  the run's end: writes that failed are tried a last time
+``finish()``                  the run's end: a replica check still in flight read; writes that failed are
+                              tried a last time
 ============================  =========================================================================
 
 After every incident (and on giving up) rank 0 writes ``<work_dir>/nan_guard_patched_config.py``. A write that
@@ -123,9 +124,10 @@ class GuardDriver:
         """The epoch's last iteration was counted (also the end of an iteration-based run); with ``healthy_here``, an
         agreed health check outside a step (MMCV 1.x: the epoch's checkpoint was written before this point)."""
         self.inside = False
-        if self.guard.agreement.pending:
-            # issue 35: the last step's verdict, still being agreed under a process group, is acted on first; a
-            # rollback there restored a healthy state, which a reading taken before it no longer describes.
+        if self.guard.agreement.pending or self.guard.replicas.pending is not None:
+            # issue 35: the last step's verdict, still being agreed under a process group, is acted on first (and a
+            # replica check still in flight read, issue 41); a rollback there restored a healthy state, which a
+            # reading taken before it no longer describes.
             if self._guarded(lambda: self.guard.settle(inside=False)):
                 healthy_here = None
         elif healthy_here is None:
@@ -165,6 +167,8 @@ class GuardDriver:
     def finish(self) -> None:
         """The run's end: a held patched config and held records are written a last time; records that still cannot
         be written go into the runner's log in full."""
+        if self.guard.replicas.pending is not None:  # a check of the run's last iterations, read by every rank here
+            self._guarded(lambda: self.guard.settle(inside=False))
         if self._config_held:
             self._write_config()
         self.guard.incidents.close()

@@ -83,6 +83,9 @@ CORE_SETTINGS: Tuple[Setting, ...] = (
     Setting("snapshot_copies", "rank", lambda n, v: check_choice(n, v, ("rank", "node")), "``'rank'`` (every rank "
             "keeps its own snapshots) or ``'node'`` (one copy per node, on its lowest rank; replicated DDP state "
             "only)."),
+    Setting("replica_check_interval", 100, is_int(0), "under a process group of two ranks or more, iterations between "
+            "comparisons of the ranks' copies of the model (a digest per tensor, read one iteration later); a rank "
+            "whose copy drifted takes the majority's (docs/distributed.md); 0: off."),
     Setting("carry", {}, lambda n, v: _carry(n, v), "what an earlier run's remedies put in force that its config "
             "cannot express (``{remedy: state}``), as its patched config carries it: re-applied before the first "
             "iteration."),

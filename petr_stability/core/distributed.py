@@ -15,6 +15,8 @@ __all__ = [
     "reduce_max",
     "PendingMax",
     "reduce_max_async",
+    "PendingGather",
+    "gather_tensor_async",
     "broadcast_object",
     "gather",
     "strip_tensors",
@@ -116,6 +118,40 @@ def reduce_max_async(values: List[int], buffer: Optional[torch.Tensor] = None) -
     if not is_distributed():
         return PendingMax(t, None)
     return PendingMax(t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group(), async_op=True))
+
+
+class PendingGather:
+    """Every rank's tensor in flight on the host group: issued by :func:`gather_tensor_async`, read by :meth:`wait` (at
+    once without a process group)."""
+
+    __slots__ = ("_tensors", "_work")
+
+    def __init__(self, tensors: List[torch.Tensor], work: Any) -> None:
+        self._tensors, self._work = tensors, work
+
+    def wait(self) -> List[torch.Tensor]:
+        """Waits until every rank's tensor has arrived (a no-op once they have) and returns them in rank order.
+
+        Raises:
+            RuntimeError: the collective failed (a rank died), or timed out after the process group's timeout.
+        """
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+        return list(self._tensors)
+
+
+def gather_tensor_async(tensor: torch.Tensor) -> PendingGather:
+    """Starts an all-gather of ``tensor`` (a CPU tensor of the same shape and dtype on every rank) over the host group
+    without waiting for it, as :func:`reduce_max_async` does for a MAX; :meth:`PendingGather.wait` reads it later.
+    Every rank must issue it at the same point. Not distributed: ``[tensor]``, nothing in flight."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"gather_tensor_async gathers CPU tensors over the gloo host group, got one on "
+                         f"{tensor.device}")
+    if not is_distributed():
+        return PendingGather([tensor], None)
+    out = [torch.empty_like(tensor) for _ in range(get_world_size())]
+    return PendingGather(out, dist.all_gather(out, tensor.contiguous(), group=_host_group(), async_op=True))
 
 
 def gather(obj: Any) -> List[Any]:

@@ -1,7 +1,7 @@
 """The plugin's own exception types."""
 
 __all__ = ["NanGuardError", "NanGuardGaveUp", "NoHealthyStateError", "StructuralDivergence", "BadDataError",
-           "UnsafeCheckpointError", "UnwritableWorkDirError"]
+           "UnsafeCheckpointError", "UnwritableWorkDirError", "ReplicaDriftError"]
 
 
 class NanGuardError(RuntimeError):
@@ -40,3 +40,12 @@ class UnsafeCheckpointError(NanGuardError):
 class UnwritableWorkDirError(NanGuardError, PermissionError):
     """The guard cannot write its records into the work dir (raised before the first iteration, naming the path):
     a run it saves must be able to say so. Also a ``PermissionError``, what the failed write itself would raise."""
+
+
+class ReplicaDriftError(NanGuardError):
+    """A data-parallel rank whose copy of the model keeps drifting from the others' however often it is repaired (a
+    faulty device or host memory, or code that writes to one rank's weights alone); ``ranks`` names it."""
+
+    def __init__(self, message: str, ranks: "list" = ()) -> None:
+        super().__init__(message)
+        self.ranks = [int(r) for r in ranks]

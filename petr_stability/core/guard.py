@@ -28,6 +28,7 @@ from .remedies.base import Remedy, When
 from .watch.agreement import StepAgreement
 from .watch.detector import Decision, DivergenceDetector, StepSignals, Verdict
 from .watch.health import HealthChecks
+from .watch.replicas import ReplicaCheck
 from .watch.spikes import GradNormMonitor, StabilityWatch
 
 __all__ = ["NanGuard", "skip_kind", "publish"]
@@ -67,6 +68,29 @@ def skip_kind(signals: StepSignals) -> str:
     return "skip" if signals.scale_mode != "none" or signals.step_applied is False else "nonfinite_loss"
 
 
+def _chain_counter(name: str, doc: str) -> property:
+    """A read-only property of the guard: the incident chain's counter ``name`` (the chain keeps and saves it)."""
+    return property(lambda guard: getattr(guard.chain, name), doc=doc)
+
+
+def _judged(stability: StabilityWatch, signals: StepSignals, decision: Decision) -> Decision:
+    """A step the detector calls healthy, judged against the run's stable band (watch/spikes.py)."""
+    if decision.verdict != Verdict.HEALTHY or not signals.stepped:
+        return decision
+    why = stability.judge(signals.loss, signals.grad_norm)
+    return decision if why is None else Decision(Verdict.UNSTABLE, why)
+
+
+def _early_warning(spikes: GradNormMonitor, io: GuardIO, grad_norm: Optional[float], iteration: int) -> None:
+    """The grad_norm early warning (and the adaptive clip's statistics) from the host float the runner logged: no
+    device read."""
+    if grad_norm is None:
+        return
+    warning = spikes.observe(grad_norm, iteration)
+    if warning:
+        io.log(f"NanGuard: early warning: {warning}", "warning")
+
+
 class NanGuard:
     """Watches every step; a confirmed divergence goes to the incident chain.
 
@@ -94,6 +118,9 @@ class NanGuard:
         self.agreement = StepAgreement()
         #: The health checks each step gets (what holds -inf/+inf by design as the run starts is no incident).
         self.checks = HealthChecks(io.model())
+        #: Data-parallel replicas compared every replica_check_interval iterations (read one iteration later; never
+        #: without a process group of two ranks or more: only plain attributes of it are read then).
+        self.replicas = ReplicaCheck(config.replica_check_interval, config.max_recoveries, self.incidents.path)
         #: Every record written since the driver last took them (:meth:`take_records`), on every rank.
         self.records: List[Dict[str, Any]] = []
 
@@ -102,25 +129,10 @@ class NanGuard:
         ``guard.remedy('lr').lr_factor``."""
         return self.policy.remedy(name)
 
-    @property
-    def recoveries(self) -> int:
-        """Rollbacks (or no-rollback recoveries) so far in the run."""
-        return self.chain.recoveries
-
-    @property
-    def stalls(self) -> int:
-        """Stalled static scales made dynamic so far."""
-        return self.chain.stalls
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped so far (by a loss scaler, or by the guard in fp32)."""
-        return self.chain.skipped_steps
-
-    @property
-    def fp32_skips(self) -> int:
-        """fp32 steps the guard skipped so far."""
-        return self.chain.fp32_skips
+    recoveries = _chain_counter("recoveries", "Rollbacks (or no-rollback recoveries) so far in the run.")
+    stalls = _chain_counter("stalls", "Stalled static scales made dynamic so far.")
+    skipped_steps = _chain_counter("skipped_steps", "Steps skipped so far (by a loss scaler, or by the guard in fp32).")
+    fp32_skips = _chain_counter("fp32_skips", "fp32 steps the guard skipped so far.")
 
     @property
     def run_id(self) -> str:
@@ -152,6 +164,8 @@ class NanGuard:
         self.checks.capture_design(self.io.model())  # the run's start state (a resumed one included)
         self.points.start = self.points.take(iteration, epoch, recycle=False, generation=self.recoveries,
                                              tags=self.policy.tags())
+        if distributed.get_world_size() > 1:  # every rank: one comparison of the copies the run starts from
+            self.replicas.start(self.io, iteration)
 
     def state_dict(self) -> Dict[str, Any]:
         return {
@@ -162,6 +176,7 @@ class NanGuard:
             "detector": self.detector.state_dict(),
             "spikes": self.spikes.state_dict(),
             "stability": self.stability.state_dict(),
+            "replicas": dict(self.replicas.counts),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -171,6 +186,7 @@ class NanGuard:
         self.detector.load_state_dict(state.get("detector", {}))
         self.spikes.load_state_dict(state.get("spikes", {}))
         self.stability.load_state_dict(state.get("stability", {}))
+        self.replicas.load_state_dict(state.get("replicas", {}))
 
     def summary(self) -> Dict[str, Any]:
         """What the guard did so far in this run, for reports, the demo and the patched config (JSON-ready; the
@@ -199,13 +215,16 @@ class NanGuard:
         snapshot_due = reading.stepped and (len(self.points.ring) == 0
                                             or iteration % self.config.snapshot_interval == 0)
         self._check(signals, snapshot_due)
-        step = _Step(signals, self._judge(signals, self.detector.observe(signals)), reading, snapshot_due, epoch)
+        judged = _judged(self.stability, signals, self.detector.observe(signals))
+        step = _Step(signals, judged, reading, snapshot_due, epoch)
         if step.decision.streak_start and signals.weights_finite is True and self.stability.trouble_since is None:
             # (Not inside a loss explosion: the state before the streak is on its path then, no restore point.)
             # Trouble starts: the first skipped step of a streak left the last applied step's weights, checked finite.
             step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
                                                           self.policy.tags(), at_trouble=True))
         decision, rolled_back = self._act_on_pending(True) if self.agreement.pending else (step.decision, False)
+        if self.replicas.pending is not None:  # a replica check issued at an earlier iteration
+            step = self._read_replicas(True, step)
         if rolled_back:
             pass  # this iteration belongs to the abandoned path: its verdict is never sent
         elif self.agreement.defers() and len(self.points.ring) > 0 and not self.io.verdict_due_now():
@@ -216,6 +235,8 @@ class NanGuard:
             self.batches.hold()
         else:
             decision = self._act(self.agreement.now(step.decision.verdict), step, inside=True)
+        if self.replicas.on and iteration % self.replicas.interval == 0 and self.io.completed(True)[0] == iteration:
+            self.replicas.issue(self.io, signals, epoch, self.recoveries)  # not rolled back: read at the next one
         self._publish(signals.loss_scale)
         return decision
 
@@ -253,14 +274,29 @@ class NanGuard:
         return decision, False
 
     def settle(self, inside: bool) -> bool:
-        """Acts on a step's verdict still being agreed (under a process group) before the guard works outside
-        :meth:`after_iter` (an epoch's end, the end of training); every rank calls it at the same point. Returns
-        whether that rolled the state back."""
-        if not self.agreement.pending:
+        """Acts on a step's verdict still being agreed, and reads a replica check still in flight (under a process
+        group), before the guard works outside :meth:`after_iter` (an epoch's end, the end of training); every rank
+        calls it at the same point. Returns whether that rolled the state back."""
+        if not self.agreement.pending and self.replicas.pending is None:
             return False
-        rolled_back = self._act_on_pending(inside)[1]
+        rolled_back = self.agreement.pending and self._act_on_pending(inside)[1]
+        if self.replicas.pending is not None:
+            self._read_replicas(inside)
         self._publish()
         return rolled_back
+
+    def _read_replicas(self, inside: bool, step: Optional[_Step] = None) -> Optional[_Step]:
+        """Reads the replica check in flight (every rank at the same point) and acts on it (watch/replicas.py): a drift
+        is recorded and repaired, and no snapshot taken since every copy was last known the same stays a restore point
+        (it may hold the drifted copy: docs/distributed.md, "Replicas that drift apart")."""
+        outcome = self.replicas.conclude(self.io, self.io.completed(inside)[0], self.recoveries)
+        self._emit(outcome.records)
+        if outcome.error is not None:
+            raise outcome.error
+        if outcome.repaired:
+            self.points.drop_after(outcome.clean_since)
+            step = None if step is None else step._replace(snapshot=None)
+        return step
 
     def _check(self, signals: StepSignals, snapshot_due: bool) -> None:
         """The health checks this step gets: at once when suspicious, on snapshot and save steps, then routinely."""
@@ -274,17 +310,10 @@ class NanGuard:
             # A check already waited for the device here: publish the scale too, for the logs and the report.
             signals.loss_scale = self.io.loss_scale()
 
-    def _judge(self, signals: StepSignals, decision: Decision) -> Decision:
-        """A step the detector calls healthy, judged against the run's stable band (watch/spikes.py)."""
-        if decision.verdict != Verdict.HEALTHY or not signals.stepped:
-            return decision
-        why = self.stability.judge(signals.loss, signals.grad_norm)
-        return decision if why is None else Decision(Verdict.UNSTABLE, why)
-
     def _on_healthy(self, signals: StepSignals, stable: bool, why: str, snapshot_due: bool,
                     taken: Optional[Snapshot] = None) -> None:
         iteration = signals.iteration
-        self._watch_grad_norm(signals.grad_norm, iteration)
+        _early_warning(self.spikes, self.io, signals.grad_norm, iteration)
         if self.stability.update(signals.loss, signals.grad_norm, not stable, iteration):
             self.io.log(f"NanGuard: trouble at iter {iteration}: {why}; no snapshot is confirmed until "
                         f"{self.config.confirm_steps} stable steps in a row follow it", "warning")
@@ -298,14 +327,6 @@ class NanGuard:
             _, epoch = self.io.completed(inside=True)
             self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.recoveries,
                                                   tags=self.policy.tags()))
-
-    def _watch_grad_norm(self, grad_norm: Optional[float], iteration: int) -> None:
-        # The early warning and the adaptive clip read the host float the runner logged: no device read.
-        if grad_norm is None:
-            return
-        warning = self.spikes.observe(grad_norm, iteration)
-        if warning:
-            self.io.log(f"NanGuard: early warning: {warning}", "warning")
 
     # ------------------------------------------------------------------ recovery
     def _incident(self, entry: Entry, signals: StepSignals, decision: Decision, inside: bool,

@@ -30,6 +30,8 @@ class Event(str, enum.Enum):
     SKIP = "skip"  #: fp32: a step with a non-finite gradient dropped before the optimizer applied it
     NONFINITE_LOSS = "nonfinite_loss"  #: fp32: a non-finite loss with finite gradients, the step applied
     RECURRING_SAMPLE = "recurring_sample"  #: a sample broke steps in two epochs: named, quarantined
+    #: data-parallel replicas found holding different weights: named, and the majority's copy sent to the others
+    REPLICA_DRIFT = "replica_drift"
 
     def __str__(self) -> str:
         return self.value
@@ -96,7 +98,7 @@ class IncidentLog:
     """
 
     #: The events a dashboard shows as text (:meth:`take_unshown`); the others are counted in the scalars.
-    SHOWN = (Event.DIVERGENCE, Event.STALLED, Event.RECURRING_SAMPLE)
+    SHOWN = (Event.DIVERGENCE, Event.STALLED, Event.RECURRING_SAMPLE, Event.REPLICA_DRIFT)
 
     def __init__(self, work_dir: Optional[str], enabled: bool = True,
                  log: Optional[Callable[[str, str], None]] = None) -> None:

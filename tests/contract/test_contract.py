@@ -41,6 +41,7 @@ BAD_ARGS = [
     (dict(snapshot_interval="5"), ValueError, "snapshot_interval must be an integer >= 1, got '5'"),
     (dict(write_patched_config=None), TypeError, "write_patched_config must be a bool, got None"),
     (dict(snapshot_copies=None), ValueError, "snapshot_copies must be one of ['rank', 'node'], got None"),
+    (dict(replica_check_interval=-1), ValueError, "replica_check_interval must be an integer >= 0, got -1"),
 ]
 
 
@@ -125,6 +126,7 @@ def test_state_round_trips_through_json_and_loading_it_twice_changes_nothing(fam
     run.train()
     state = json.loads(json.dumps(run.guard.state_dict()))
     assert state["recoveries"] == 1 and state["dropout_zeroed"] and state["clip"]
+    assert state["replicas"]["checks"] == 0  # issue 41: one process holds no replicas; its counters still ride along
     run.clip_kwargs()["max_norm"] = 35.0  # as a resumed run's freshly built optimizer has it
     run.guard.load_state_dict(state)
     run.guard.load_state_dict(state)

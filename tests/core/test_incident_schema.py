@@ -4,6 +4,7 @@ every field found in the file is in the table (the doc and the code cannot drift
 import math
 import os
 import re
+import sys
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import pytest
@@ -20,9 +21,10 @@ from petr_stability.core.recovery.chain import OWN_VALUES
 from petr_stability.core.remedies import Change
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "incidents.md")
-EVENTS = ("divergence", "stalled", "gave_up", "skip", "nonfinite_loss", "recurring_sample")
+COMMON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed", "common")
+EVENTS = ("divergence", "stalled", "gave_up", "skip", "nonfinite_loss", "recurring_sample", "replica_drift")
 #: Fields whose value is an object (or a list of objects) that the table documents key by key.
-NESTED = ("signals", "restored_from", "actions", "cause")
+NESTED = ("signals", "restored_from", "actions", "cause", "tensors")
 
 
 # ------------------------------------------------------------------ the doc's table
@@ -178,6 +180,14 @@ def produce(event: str, work_dir: str) -> List[Dict[str, Any]]:
     elif event == "gave_up":
         with pytest.raises(NanGuardGaveUp):
             run(work_dir, 6, {4: nan_weights}, max_recoveries=0)
+    elif event == "replica_drift":  # two gloo ranks (a plain-torch loop under DDP); rank 1's weight drifts
+        sys.path.insert(0, COMMON)
+        try:
+            from launch import run_workers
+        finally:
+            sys.path.remove(COMMON)
+        run_workers(os.path.join(COMMON, "loop_worker.py"), "drift", work_dir)
+        work_dir = os.path.join(work_dir, "work")
     return read_incidents(work_dir)
 
 

@@ -4,7 +4,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
-from launch import check_agreement, run_agreeing, run_failing, run_workers
+from launch import check_agreement, incident_logs, run_agreeing, run_failing, run_workers
 
 from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 
@@ -171,6 +171,44 @@ class AgreementScenarios:
         # The same steps agreed one iteration later on both ranks (the others: the loss scale's calibration while no
         # snapshot exists yet, snapshot steps, checkpoint saves and the run's end).
         assert r0["agreement"] == r1["agreement"] and r0["agreement"]["deferred"] >= 5
+
+    def test_a_finite_drift_on_one_rank_is_found_at_the_next_check_recorded_and_repaired(self, tmp_path: Any) -> None:
+        # issue 41: +1e-3 on one weight of rank 1 after its step of iteration 10 (no NaN anywhere). The replicas are
+        # compared every 4 iterations: the check of iteration 12, read at 13, names rank 1 and the tensor, rank 0's
+        # model and optimizer state go to rank 1, and the run finishes with both ranks bit-identical.
+        r0, r1, records = self.run("drift_rank1", tmp_path)  # the same parameters on both ranks at the end
+        assert (r0["error"], r1["error"]) == (None, None) and r0["iter"] == r1["iter"] == 18
+        assert not incidents(records)  # no divergence, no rollback
+        (rec,) = [r for r in records if r["event"] == "replica_drift"]
+        assert (rec["iteration"], rec["acted_at"], rec["world_size"]) == (12, 13, 2)
+        assert rec["drifted_ranks"] == [1] and rec["reference_rank"] == 0 and rec["repaired"] is True
+        assert rec["cause"]["cause"] == "replica_drift" and rec["cause"]["ranks"] == {"1": "replica_drift"}
+        (row,) = rec["tensors"]
+        assert (row["name"], row["rank"], row["elements"]) == (r0["first_param"], 1, 1)
+        assert 5e-4 < row["max_abs_diff"] < 2e-3, row
+        assert r0["optimizer_digest"] == r1["optimizer_digest"], "optimizer state differs across ranks"
+        for r in (r0, r1):  # checks of iterations 4, 8, 12 and 16, each read one iteration later
+            assert {k: r["guard"]["replicas"][k] for k in ("checks", "drifts", "repairs")} == dict(
+                checks=4, drifts=1, repairs=1)
+
+    def test_with_the_replica_check_on_and_nothing_planted_no_record_is_written(self, tmp_path: Any) -> None:
+        # issue 41: BatchNorm statistics differ across ranks by design (each rank's forward updates them from its own
+        # batch): they are not compared, and nothing else differs.
+        (r0, r1), _ = run_workers(self.worker, "replicas_clean", str(tmp_path))
+        assert (r0["error"], r1["error"]) == (None, None) and r0["digest"] == r1["digest"]
+        assert incident_logs(str(tmp_path)) == []
+        assert r0["guard"]["replicas"]["checks"] == r1["guard"]["replicas"]["checks"] == 2
+        assert r0["guard"]["replicas"]["drifts"] == 0
+
+    def test_nan_weights_on_one_rank_at_a_replica_check_are_left_to_the_divergence_path(self, tmp_path: Any) -> None:
+        # issue 41: the NaN planted on rank 1 at iteration 12 is in the check of iteration 12; the replica check leaves
+        # a non-finite difference to the divergence path, which recovers as without it.
+        r0, r1, records = self.run("weights_one_rank_replicas", tmp_path)
+        (rec,) = incidents(records)
+        assert r0["error"] is None and r0["iter"] == 18
+        assert rec["event"] == "divergence" and rec["restored_from"]["source"] == "memory"
+        assert not [r for r in records if r["event"] == "replica_drift"]
+        assert r0["guard"]["replicas"]["drifts"] == 0 and r0["guard"]["recoveries"] == 1
 
     def test_a_rank_that_raises_ends_the_job_without_a_hang(self, tmp_path: Any) -> None:
         # issue 35: rank 1 raises in iteration 12 before its guard sends the step's verdict, while rank 0's is in

@@ -15,7 +15,7 @@ from petr_stability.core.faults import poison_weights
 
 __all__ = ["GUARD", "CORRUPT_LABEL", "shared_scenarios", "parse_args", "init_process_group", "work_dir", "train",
            "finish", "Extras", "corrupt_labels", "fail_on_corrupt_labels", "PoisonPasses", "PlantedFailure", "RankPlan",
-           "write_older_checkpoint"]
+           "plant_drift", "optimizer_digest", "write_older_checkpoint"]
 
 GUARD = dict(snapshot_interval=5, confirm_steps=3, check_interval=5)
 #: A class label the label map does not know: the data trigger of the corrupt-annotation scenarios.
@@ -75,6 +75,15 @@ def shared_scenarios(disk_checkpoint: Dict[str, Any]) -> Dict[str, Dict[str, Any
         # (rank 0's is in flight, waiting for it, while rank 0 trains on); nothing catches it (as in a training
         # script): the job must end, not hang.
         "fail_rank1": dict(max_iters=18, guard=GUARD, plan=dict(fail=dict(rank=1, at=12))),
+        # issue 41: +1e-3 on one weight of rank 1 after its step of iteration 10, no NaN anywhere; the replicas are
+        # compared every 4 iterations: the check of iteration 12 (read at 13) is the first after it.
+        "drift_rank1": dict(max_iters=18, guard=dict(GUARD, replica_check_interval=4),
+                            plan=dict(drift=dict(rank=1, at=10))),
+        # issue 41: the replica check on, nothing planted (BatchNorm statistics differ across ranks by design).
+        "replicas_clean": dict(max_iters=10, guard=dict(GUARD, replica_check_interval=4)),
+        # issue 41: weights_one_rank with a replica check at the iteration the NaN is planted in.
+        "weights_one_rank_replicas": dict(max_iters=18, guard=dict(GUARD, replica_check_interval=4),
+                                          faults=[dict(kind="weights", iters=[12], ranks=[1])]),
     }
 
 
@@ -164,24 +173,59 @@ class PlantedFailure(BaseException):
 
 class RankPlan:
     """What a rank does after each optimizer step, before the guard sees it (each family's worker calls
-    :meth:`after_step` from a hook that runs between the two): sleep (a slow rank), or raise (a failing rank).
+    :meth:`after_step` from a hook that runs between the two): sleep (a slow rank), raise (a failing rank), or change
+    one weight by a finite amount (a replica that drifts: a silent memory fault, a rank-local write).
 
     Args:
         slow: ``dict(rank, seconds)``: that rank sleeps this long in every iteration. Defaults to None.
         fail: ``dict(rank, at)``: that rank raises :class:`PlantedFailure` in iteration ``at`` (1-based). Defaults to
             None.
+        drift: ``dict(rank, at, delta=1e-3)``: that rank adds ``delta`` to the first element of the model's first
+            trainable parameter in iteration(s) ``at`` (1-based; an int or a list), each once (a rollback brings the
+            number round again). Defaults to None.
     """
 
-    def __init__(self, slow: Optional[Dict[str, Any]] = None, fail: Optional[Dict[str, Any]] = None) -> None:
-        self.slow, self.fail = slow, fail
+    def __init__(self, slow: Optional[Dict[str, Any]] = None, fail: Optional[Dict[str, Any]] = None,
+                 drift: Optional[Dict[str, Any]] = None) -> None:
+        self.slow, self.fail, self.drift = slow, fail, drift
+        self.drifted: List[int] = []
 
-    def after_step(self, counter: int) -> None:
-        """``counter``: the runner's 0-based counter of the iteration that just stepped."""
+    def after_step(self, counter: int, model: Optional[torch.nn.Module] = None) -> None:
+        """``counter``: the runner's 0-based counter of the iteration that just stepped; ``model``: the unwrapped
+        model (for ``drift``)."""
         rank = dist.get_rank()
         if self.slow is not None and rank == self.slow["rank"]:
             time.sleep(self.slow["seconds"])
         if self.fail is not None and rank == self.fail["rank"] and counter + 1 == self.fail["at"]:
             raise PlantedFailure(f"planted failure on rank {rank} in iteration {counter + 1}")
+        if self.drift is not None and rank == self.drift["rank"] and counter + 1 not in self.drifted:
+            at = self.drift["at"]
+            if counter + 1 in (at if isinstance(at, list) else [at]):
+                self.drifted.append(counter + 1)
+                plant_drift(model, self.drift.get("delta", 1e-3))
+
+
+def plant_drift(model: torch.nn.Module, delta: float) -> str:
+    """Adds ``delta`` to the first element of ``model``'s first trainable parameter (no NaN: a finite drift); returns
+    its name."""
+    name, p = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        p.view(-1)[0] += delta
+    return name
+
+
+def optimizer_digest(optimizers: Sequence[Any]) -> str:
+    """A hash of every optimizer's state tensors (their bytes), to compare across ranks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for optimizer in optimizers:
+        for index, state in sorted(optimizer.state_dict()["state"].items()):
+            for key, value in sorted(state.items()):
+                if isinstance(value, torch.Tensor):
+                    h.update(f"{index}.{key}".encode())
+                    h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def write_older_checkpoint(directory: str, model: torch.nn.Module, guard_state_in_meta: bool) -> str:
@@ -276,6 +320,8 @@ def finish(out: str, result: Dict[str, Any], runner: Any, model: torch.nn.Module
         device=str(next(model.parameters()).device),
         side_group=side_group_report(),
         agreement={"deferred": guard.agreement.deferred, "blocking": guard.agreement.blocking},
+        optimizer_digest=optimizer_digest(guard.io.optimizers()),
+        first_param=next(n for n, p in model.named_parameters() if p.requires_grad),
         **extra,
     )
     with open(path, "w", encoding="utf-8") as f:

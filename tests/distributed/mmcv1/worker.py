@@ -45,7 +45,7 @@ def main() -> None:
             self.plan = plan
 
         def after_train_iter(self, runner):
-            self.plan.after_step(runner.iter)
+            self.plan.after_step(runner.iter, runner.model.module)
 
     iter_based_runner.time = types.SimpleNamespace(sleep=lambda s: None)  # the runner's 2 s start-up nap
     kwargs = dict(SCENARIOS[args.scenario])

@@ -48,7 +48,7 @@ def main() -> None:
             self.plan = plan
 
         def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
-            self.plan.after_step(runner.iter)
+            self.plan.after_step(runner.iter, getattr(runner.model, "module", runner.model))
 
     kwargs = dict(SCENARIOS[args.scenario])
     directory = work_dir(args.out, rank, kwargs)
