@@ -30,10 +30,10 @@ test-mmengine: test-mmengine-main test-mmengine-numerics
 
 test-mmengine-main: env-mmengine
 	PETR_STABILITY_CUDA_REHEARSAL=1 .venv/bin/python -m pytest -q tests/core tests/contract tests/mmengine tests/cli \
-	  tests/distributed/mmengine tests/distributed/torch_loop tests/cuda
+	  tests/distributed/mmengine tests/distributed/torch_loop tests/cuda tests/zoo
 
 test-mmengine-numerics: env-mmengine
-	$(NUMERICS_AGAIN) .venv/bin/python -m pytest -q -m numerics tests/core tests/mmengine tests/cli
+	$(NUMERICS_AGAIN) .venv/bin/python -m pytest -q -m numerics tests/core tests/mmengine tests/cli tests/zoo
 
 test-mmcv1: env-mmcv1
 	PETR_STABILITY_CUDA_REHEARSAL=1 .venv-mmcv1/bin/python -m pytest -q tests/core tests/contract tests/mmcv1 tests/distributed/mmcv1 \
