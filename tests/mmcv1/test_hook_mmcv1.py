@@ -175,8 +175,9 @@ def test_a_backed_off_rate_is_given_back_through_the_lr_updater_hook(tmp_path):
     assert guard_hook(r).guard.recoveries == 1 and len(lr.lr_rewarms) == 1 and lr.lr_factor == 1.0
     back = next(k for k in range(1, len(rec.steps)) if rec.steps[k][0] <= rec.steps[k - 1][0])
     given = lr.lr_rewarms[0]["iteration"]  # 1-based: the 0-based iterations from it on run at the schedule's rate
-    halved = [(it, got) for it, got in rec.steps[back:] if it < given]
-    assert len(halved) == 3 and all(got == pytest.approx(0.5 * want[it]) for it, got in halved), halved
+    factor = lr.config.lr_backoff  # the ladder's factor, whatever its default
+    backed = [(it, got) for it, got in rec.steps[back:] if it < given]
+    assert len(backed) == 3 and all(got == pytest.approx(factor * want[it]) for it, got in backed), backed
     again = [(it, got) for it, got in rec.steps[back:] if it >= given]
     assert again and all(got == pytest.approx(want[it]) for it, got in again), again
     assert any(it >= 16 for it, _ in again)  # past the step: the hook's own decay, from the base given back
