@@ -63,6 +63,28 @@ def _median(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
+#: Seeds reported apart: a number tuned on 0-9 is shown on 10-19 too (issue 43), and on every seed run.
+SEED_GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)), ("all", range(0, 1 << 30)))
+
+
+def _group(rows: List[Dict[str, Any]], seeds: range) -> Dict[str, Any]:
+    """Guarded against reference over the seeds in ``seeds``: the medians' ratio, and how many guarded runs end
+    inside the reference's own [min, max] over the same seeds (a lost guarded run is outside)."""
+    mine = [r for r in rows if r["seed"] in seeds]
+
+    def finite(run: str) -> List[float]:
+        return [r["eval_loss"] for r in mine if r["run"] == run and r["eval_loss"] is not None and not r["lost"]]
+
+    guarded = [r for r in mine if r["run"] == "guarded"]
+    ref = finite("reference")
+    g = finite("guarded")
+    inside = sum(1 for r in guarded if ref and not r["lost"] and r["eval_loss"] is not None
+                 and min(ref) <= r["eval_loss"] <= max(ref))
+    return {"seeds": len(guarded), "guarded_lost": sum(r["lost"] for r in guarded),
+            "ratio": _median(g) / _median(ref) if g and ref else None, "inside_reference_spread": inside,
+            "reference_min": min(ref) if ref else None, "reference_max": max(ref) if ref else None}
+
+
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per (kernels, scenario): each run's held-out loss over the seeds, losses, iterations lost per incident, wall
     time; guarded against reference."""
@@ -85,6 +107,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             if g and ref and g["median"] and ref["median"]:
                 part["guarded_vs_reference_median"] = g["median"] / ref["median"]
                 part["guarded_worst_within_reference_spread"] = g["max"] is not None and g["max"] <= ref["max"]
+                part["seed_groups"] = {name: _group(mine, chosen) for name, chosen in SEED_GROUPS
+                                       if any(r["seed"] in chosen for r in mine)}
             out[f"{kernels}/{scenario}"] = part
     return out
 
@@ -129,6 +153,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         if "guarded_vs_reference_median" in part:
             print(f"  guarded / reference (medians): {part['guarded_vs_reference_median']:.3f}; guarded worst within "
                   f"the reference's spread: {part['guarded_worst_within_reference_spread']}")
+            for name, grp in part["seed_groups"].items():
+                print(f"  seeds {name:<5}: guarded / reference (medians) {_fmt(grp['ratio'])}; guarded lost "
+                      f"{grp['guarded_lost']}/{grp['seeds']}; inside the reference's spread "
+                      f"[{_fmt(grp['reference_min'])}, {_fmt(grp['reference_max'])}]: "
+                      f"{grp['inside_reference_spread']}/{grp['seeds']}")
     print(f"total wall {time.perf_counter() - t0:.0f}s")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
