@@ -4,6 +4,7 @@ set, and the criteria it is held to.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/zoo.py [--seeds 0-19] [--models causal_ts,detr,...]
         [--scenarios none,too_high_lr,...] [--kernels native,default] [--guard-kwargs JSON]
         [--out docs/results/zoo_<name>_cpu.json]
+    .venv/bin/python benchmarks/zoo.py --rows A.json B.json --out merged.json   # summarize runs already made
 
 Each kernel set runs in a process of its own (``native``: this CPU's best kernels; ``default``: torch's portable ones,
 ``ATEN_CPU_CAPABILITY=default``; torch picks them as it starts). Per model and seed one ``reference`` run (the
@@ -103,9 +104,16 @@ def _compare(guarded: List[Dict[str, Any]], reference: List[Dict[str, Any]]) -> 
             "reference_min": lo, "reference_max": hi, "inside_spread": inside}
 
 
+def _result(row: Dict[str, Any]) -> Any:
+    """A raw row back as a ``ZooResult``."""
+    from petr_stability.testing.zoo import ZooResult
+
+    return ZooResult(**{k: v for k, v in row.items() if k in ZooResult.__dataclass_fields__})
+
+
 def _cell(rows: List[Dict[str, Any]], model: str, scenario: str) -> Dict[str, Any]:
     """One model x scenario in one kernel set."""
-    from petr_stability.testing.zoo import ZooResult, right_class
+    from petr_stability.testing.zoo import acted, right_class
 
     reference = [r for r in rows if r["model"] == model and r["variant"] == "reference"]
     unguarded = reference if scenario == "none" else [
@@ -117,7 +125,7 @@ def _cell(rows: List[Dict[str, Any]], model: str, scenario: str) -> Dict[str, An
             classes[c] = classes.get(c, 0) + 1
     wrong_class = []
     for r in guarded:
-        ok, why = right_class(ZooResult(**{k: v for k, v in r.items() if k in ZooResult.__dataclass_fields__}))
+        ok, why = right_class(_result(r))
         if not ok:
             wrong_class.append({"seed": r["seed"], "why": why})
     planted = [r for r in guarded if r["planted"] is not None]
@@ -129,7 +137,9 @@ def _cell(rows: List[Dict[str, Any]], model: str, scenario: str) -> Dict[str, An
         "classes": classes,
         "quarantine_right": sum(1 for r in planted if r["quarantined"] == [r["planted"]]),
         "quarantine_wrong": sum(1 for r in guarded if any(i != r["planted"] for i in r["quarantined"])),
-        "incidents_unplanted": sum(1 for r in guarded if scenario == "none" and r["incidents"]),
+        "incidents_unplanted": sum(1 for r in guarded if scenario == "none" and acted(_result(r))),
+        "observations_unplanted": sum(1 for r in guarded if scenario == "none" and r["incidents"]
+                                      and not acted(_result(r))),
         "wrong_class": wrong_class,
         "iters_lost": sum(r["iters_lost"] for r in guarded),
         "wall_s": round(sum(r["wall_s"] for r in guarded + unguarded), 1),
@@ -200,7 +210,8 @@ def report(summary: Dict[str, Any]) -> Tuple[List[str], int]:
         lines.append(f"  unguarded lost {cell['unguarded_lost']}/{cell['unguarded_runs']}, guarded lost "
                      f"{cell['guarded_lost']}/{cell['guarded_runs']}, false stops {len(cell['false_stops'])}, "
                      f"classes {cell['classes'] or '-'}, quarantined right/wrong {cell['quarantine_right']}/"
-                     f"{cell['quarantine_wrong']}, incidents where nothing planted {cell['incidents_unplanted']}, "
+                     f"{cell['quarantine_wrong']}, incidents where nothing planted {cell['incidents_unplanted']} "
+                     f"(records that only observe: {cell.get('observations_unplanted', 0)}), "
                      f"iterations lost {cell['iters_lost']}")
         for name in ("0-9", "10-19", "all"):
             c = cell.get(f"seeds_{name}")
@@ -239,6 +250,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--kernels", default="native,default", help="native, default, or both")
     p.add_argument("--guard-kwargs", type=json.loads, default={}, help="JSON object of guard settings")
     p.add_argument("--out", default=None, help="JSON file for the raw rows and the summary")
+    p.add_argument("--rows", nargs="+", default=None, metavar="JSON",
+                   help="summarize the raw rows of earlier --out files (merged: e.g. one per kernel set) instead of "
+                        "running")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: this kernel set, rows on stdout
     a = p.parse_args(argv)
     try:
@@ -254,7 +268,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(one_kernel_set(models, scenarios, seeds, a.guard_kwargs)))
         return 0
     t0 = time.perf_counter()
-    rows = [r for kernels in kernel_sets for r in _child(a, kernels)]
+    if a.rows:
+        rows = []
+        for path in a.rows:
+            with open(path, encoding="utf-8") as f:
+                rows += json.load(f)["rows"]
+        seeds = sorted({r["seed"] for r in rows})
+        models = [m for m in models if any(r["model"] == m for r in rows)]
+        scenarios = [s for s in scenarios if any(r["scenario"] == s for r in rows)]
+        kernel_sets = sorted({r["kernels"] for r in rows})
+    else:
+        rows = [r for kernels in kernel_sets for r in _child(a, kernels)]
     summary = summarize(rows)
     lines, failed = report(summary)
     print("\n".join(lines))

@@ -82,6 +82,8 @@ __all__ = [
     "run",
     "result_dict",
     "right_class",
+    "acted",
+    "OBSERVED",
 ]
 
 Batch = Dict[str, Tensor]
@@ -680,11 +682,16 @@ def right_class(result: ZooResult) -> Tuple[bool, str]:
 
     ``too_high_lr``: dynamics, unknown or forward_overflow, nothing quarantined; ``corrupt_sample`` and
     ``bright_sample``: data, exactly the planted sample quarantined, no module in fp32, no learning-rate change;
-    ``nan_weights``: dynamics or unknown; ``none``: no record at all.
+    ``nan_weights``: dynamics or unknown; ``none``: no record where the guard acted (:func:`acted`; a record of a
+    step the scaler skipped is an observation), nothing quarantined, no module in fp32, no rate changed, nothing
+    rolled back.
     """
     causes, s = set(result.causes), result.scenario
     if s == "none":
-        return (not result.incidents, f"records where nothing was planted: {_events(result)}")
+        quiet = (not acted(result) and not result.quarantined and not result.fp32_modules
+                 and result.lr_factor == 1.0 and not result.iters_lost)
+        return quiet, (f"the guard acted where nothing was planted: {_events(result)}, quarantined "
+                       f"{result.quarantined}, fp32 {result.fp32_modules}, lr factor {result.lr_factor}")
     if not causes:
         return False, f"no record classified a cause ({_events(result)})"
     if s == "too_high_lr":
@@ -697,6 +704,18 @@ def right_class(result: ZooResult) -> Tuple[bool, str]:
           and result.lr_factor == 1.0)
     return ok, (f"classes {sorted(causes)}, quarantined {result.quarantined} (planted {result.planted}), fp32 "
                 f"{result.fp32_modules}, lr factor {result.lr_factor}")
+
+
+#: Record events that note what the guard saw and change nothing: a step the scaler skipped because its forward itself
+#: was non-finite (``skip``; the rnn's raw counts times ``exp`` overflow fp16 now and then on a healthy run, as the
+#: unguarded reference's own skipped steps show) and a non-finite loss dropped in fp32 (``nonfinite_loss``).
+OBSERVED = ("skip", "nonfinite_loss")
+
+
+def acted(result: ZooResult) -> List[Dict[str, Any]]:
+    """The run's records where the guard acted (rolled back, changed a setting, quarantined, stopped): every record
+    but the :data:`OBSERVED` ones."""
+    return [r for r in result.incidents if r.get("event") not in OBSERVED]
 
 
 def _events(result: ZooResult) -> str:

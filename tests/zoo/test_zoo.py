@@ -13,8 +13,6 @@ import pytest
 
 from petr_stability.testing import zoo
 
-pytestmark = pytest.mark.numerics
-
 SEED = 0
 
 #: The guarded held-out loss may be this much above the same seed's reference. Measured (benchmarks/zoo.py, seeds 0-2,
@@ -80,6 +78,7 @@ KNOWN = {
 
 @pytest.mark.parametrize("scenario", zoo.SCENARIOS)
 @pytest.mark.parametrize("model", zoo.MODELS)
+@pytest.mark.numerics
 def test_zoo(model, scenario, request):
     if (model, scenario) in KNOWN:
         request.node.add_marker(pytest.mark.xfail(strict=True, reason=KNOWN[(model, scenario)]))
@@ -87,6 +86,7 @@ def test_zoo(model, scenario, request):
     assert not failures, f"{model} / {scenario}, seed {SEED}:\n- " + "\n- ".join(failures)
 
 
+@pytest.mark.numerics
 def test_bright_sample_overflows_an_fp16_forward():
     """The bright sample is finite, finite in fp16, and overflows an fp16 forward of every model (built for seed 0)."""
     from torch.utils.data._utils.collate import default_collate
@@ -99,3 +99,18 @@ def test_bright_sample_overflows_an_fp16_forward():
         x = bright[spec.input_key]
         assert bool(x.isfinite().all()) and float(x.abs().max()) < zoo.FP16_MAX, model
         assert zoo.fp16_overflows(spec.build(SEED), spec.forward, default_collate([bright])), model
+
+
+@pytest.mark.parametrize("record, extra, quiet", [
+    # rnn seed 13 (native): the scaler skipped a step whose forward overflowed; the guard wrote what it saw, no more
+    (dict(event="skip", iteration=34, cause=None), {}, True),
+    (dict(event="nonfinite_loss", iteration=3, cause=None), {}, True),
+    (dict(event="divergence", iteration=34, cause="dynamics"), dict(iters_lost=20), False),
+    (dict(event="recurring_sample", iteration=34, cause="data"), dict(quarantined=[6]), False),
+    (dict(event="skip", iteration=34, cause=None), dict(lr_factor=0.5), False),  # a rate changed is an act
+    (dict(event="skip", iteration=34, cause=None), dict(fp32_modules=["gru"]), False),
+])
+def test_nothing_planted_means_the_guard_did_nothing_not_that_it_wrote_nothing(record, extra, quiet):
+    result = zoo.ZooResult("rnn", "none", "guarded", 13, 0.0125, incidents=[record], **extra)
+    ok, why = zoo.right_class(result)
+    assert ok is quiet, why
