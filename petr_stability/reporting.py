@@ -326,6 +326,9 @@ def summarize(records: List[Dict[str, Any]], rows: List[Dict[str, float]], unrea
         if isinstance(cause, dict) and cause.get("cause"):
             lines.append(f"    cause: {cause['cause']}: {cause.get('evidence') or '-'}; "
                          f"action: {cause.get('action') or '-'}")
+        named = quarantined_samples(r)
+        if named:
+            lines.append("    quarantined: " + "; ".join(_sample_text(x) for x in named))
     lines.append(f"iterations lost: {at_least}{lost}")
     lines.append(f"fp32 steps skipped by the guard: {at_least}{len(skips)}")
     for r in skips:
@@ -401,16 +404,42 @@ def _rollback(rec: Dict[str, Any]) -> str:
     return f"iter {back.get('iteration')} ({back.get('source')})"
 
 
+def quarantined_samples(rec: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The samples this record put in quarantine: its class's ``quarantined`` signal, or a recurring sample's batch
+    where the record says it was quarantined."""
+    samples = (_cause(rec).get("signals") or {}).get("quarantined")
+    if not isinstance(samples, list) and rec.get("event") == Event.RECURRING_SAMPLE and rec.get("quarantined") is True:
+        samples = rec.get("batch")
+    return [s for s in samples or () if isinstance(s, dict)] if isinstance(samples, list) else []
+
+
+def _sample_text(sample: Dict[str, Any], short: bool = False) -> str:
+    """``index 10 (sample_idx 10, token ...)``: the index a run's sampler serves, then what else names it (scalars)."""
+    index = sample.get("index")
+    head = f"{index}" if short else f"index {index}"
+    if short:
+        return head
+    rest = [f"{k} {v}" for k, v in sample.items()
+            if k not in ("index", "evidence") and isinstance(v, (str, int, float)) and not isinstance(v, bool)]
+    return head + (f" ({', '.join(rest)})" if rest else "")
+
+
 def _short_changes(rec: Dict[str, Any]) -> List[str]:
     """The changes by setting name (``max_norm 35 -> 1``; ``dropout 0.1 -> 0 (x12)`` for twelve modules' dropout)."""
     counts: Dict[Tuple[str, str, str], int] = {}
+    named = quarantined_samples(rec)
     for a in rec.get("actions") or []:
         if isinstance(a, dict):
             target = str(a.get("target"))
+            if named and target == "quarantine.samples":  # which samples, not how many
+                continue
             name = target.rsplit(".", 1)[-1] if target.count(".") >= 2 else target
             key = (name, _fmt(a.get("old")), _fmt(a.get("new")))
             counts[key] = counts.get(key, 0) + 1
-    return [f"{name} {old} -> {new}" + (f" (x{n})" if n > 1 else "") for (name, old, new), n in counts.items()]
+    done = [f"{name} {old} -> {new}" + (f" (x{n})" if n > 1 else "") for (name, old, new), n in counts.items()]
+    if named:
+        done.insert(0, "quarantined index " + ", ".join(_sample_text(x, short=True) for x in named))
+    return done
 
 
 def incident_label(number: int, rec: Dict[str, Any]) -> str:
@@ -551,7 +580,9 @@ def _incident_rows(records: List[Dict[str, Any]]) -> List[str]:
         diagnosis = summarize_diagnosis(r["diagnosis"]) if isinstance(r.get("diagnosis"), dict) else ""
         cells = [number, r.get("iteration"), r.get("event"), r.get("reason") or r.get("why") or "",
                  cause.get("cause") or "", cause.get("evidence") or "", cause.get("action") or "",
-                 "; ".join(_changes(r)), _rollback(r), r.get("iterations_lost") or 0, diagnosis]
+                 "; ".join(_changes(r) + ["quarantined " + "; ".join(_sample_text(x) for x in quarantined_samples(r))]
+                           if quarantined_samples(r) else _changes(r)), _rollback(r), r.get("iterations_lost") or 0,
+                 diagnosis]
         out.append("<tr>" + "".join(_cell(c) for c in cells) + "</tr>")
     return out
 

@@ -360,3 +360,22 @@ def test_the_page_holds_the_incident_table_with_every_value_escaped(tmp_path, ca
     assert first["diagnosis"].startswith("first non-finite value in head.transformer.decoder.layers.0.attentions.0")
     second = dict(zip(header, rows[1]))
     assert (second["#"], second["iteration"], second["cause"]) == ("2", "25", "")
+
+
+#: The examples' bad-sample run's record as the guard writes it (examples/mmengine/train.py --bad-sample 10), trimmed.
+QUARANTINED = dict(
+    event="divergence", iteration=8, reason="non-finite weights, buffers or optimizer state", epoch=0,
+    actions=[dict(target="quarantine.samples", old=0, new=1)], restored_from=dict(iteration=1, source="memory"),
+    iterations_lost=7, samples=[dict(sample_idx=10, index=10, evidence="its own values are non-finite")],
+    cause=dict(cause="data", action="quarantine the batch's samples", signals=dict(
+        quarantined=[dict(sample_idx=10, index=10, token="e93e98b63d3b40209056d129dc53ceee")])))
+
+
+def test_the_report_names_the_samples_it_quarantined_not_only_a_count():
+    text, _ = summarize([QUARANTINED], [])
+    assert "    quarantined: index 10 (sample_idx 10, token e93e98b63d3b40209056d129dc53ceee)" in text.splitlines()
+    from petr_stability.reporting import incident_label
+
+    assert incident_label(1, QUARANTINED) == "#1 data: quarantined index 10; rolled back to iter 1 (memory)"
+    two = dict(QUARANTINED, cause=dict(QUARANTINED["cause"], signals=dict(quarantined=[dict(index=3), dict(index=4)])))
+    assert incident_label(2, two) == "#2 data: quarantined index 3, 4; rolled back to iter 1 (memory)"
