@@ -146,11 +146,15 @@ def test_corrupt_frame_is_data_named_by_token_quarantined_and_its_scene_goes_on(
     expect(not changed, f"settings changed for bad data: {changed[:6]}")
     skip = (((r.final.get("guard_state") or {}).get("policy") or {}).get("skip") or {}).get("indices") or {}
     expect(str(bad["index"]) in skip, f"dataset index {bad['index']} not in the quarantine: {sorted(skip)}")
-    if data:
-        at = position(r, lambda it: it["iteration"] == data[0]["iteration"] and bad["index"] in it["indices"])
+    # A skipped step names the frame (a `skip` record of class data); the record that quarantines it is the one after
+    # which the sampler must never serve it (the `recurring_sample` when it breaks a step again, or a divergence's).
+    quarantining = [x for x in data if any(a["target"].startswith("quar") for a in x.get("actions") or [])]
+    expect(quarantining, f"no record quarantined the frame: {[(x.get('event'), x.get('iteration')) for x in data]}")
+    if quarantining:
+        at = position(r, lambda it: it["iteration"] == quarantining[0]["iteration"] and bad["index"] in it["indices"])
         again = [it["iteration"] for it in after(r, at) if bad["index"] in it["indices"]]
-        expect(not again, f"served again at iterations {again} after the data record of iteration "
-                          f"{data[0]['iteration']} (the sampler had it planned at {bad['planned']})")
+        expect(not again, f"served again at iterations {again} after the record that quarantined it (iteration "
+                          f"{quarantining[0]['iteration']}; the sampler had it planned at {bad['planned']})")
     first = position(r, lambda it: it["iteration"] == 5)
     # The rest of its sequence, in the same slot, in order.
     rest = [i for i in range(bad["index"] + 1, len(r.data["dataset"]))
