@@ -60,6 +60,7 @@ from ..adapters.torch_loop import TorchLoopIO
 from ..core.config import GuardConfig
 from ..core.errors import NanGuardError
 from ..core.flags import make_grad_scaler
+from ..core.fp16 import FP16_MAX
 from ..core.records import read_incidents
 from .fetches import guard_replay
 
@@ -96,7 +97,6 @@ VARIANTS = ("reference", "unguarded", "guarded")
 #: A bright sample: its inputs times this. The data stay within +-6.5, so the sample stays below fp16's largest
 #: finite value (65504) as it is cast; what overflows is a layer's output.
 BRIGHT_FACTOR = 1e4
-FP16_MAX = 65504.0
 #: The data's bound: every input value lies in [-LIMIT, LIMIT], so LIMIT * BRIGHT_FACTOR < FP16_MAX.
 LIMIT = 6.4
 
