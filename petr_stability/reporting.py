@@ -413,15 +413,11 @@ def quarantined_samples(rec: Dict[str, Any]) -> List[Dict[str, Any]]:
     return [s for s in samples or () if isinstance(s, dict)] if isinstance(samples, list) else []
 
 
-def _sample_text(sample: Dict[str, Any], short: bool = False) -> str:
+def _sample_text(sample: Dict[str, Any]) -> str:
     """``index 10 (sample_idx 10, token ...)``: the index a run's sampler serves, then what else names it (scalars)."""
-    index = sample.get("index")
-    head = f"{index}" if short else f"index {index}"
-    if short:
-        return head
     rest = [f"{k} {v}" for k, v in sample.items()
             if k not in ("index", "evidence") and isinstance(v, (str, int, float)) and not isinstance(v, bool)]
-    return head + (f" ({', '.join(rest)})" if rest else "")
+    return f"index {sample.get('index')}" + (f" ({', '.join(rest)})" if rest else "")
 
 
 def _short_changes(rec: Dict[str, Any]) -> List[str]:
@@ -438,7 +434,7 @@ def _short_changes(rec: Dict[str, Any]) -> List[str]:
             counts[key] = counts.get(key, 0) + 1
     done = [f"{name} {old} -> {new}" + (f" (x{n})" if n > 1 else "") for (name, old, new), n in counts.items()]
     if named:
-        done.insert(0, "quarantined index " + ", ".join(_sample_text(x, short=True) for x in named))
+        done.insert(0, "quarantined index " + ", ".join(str(x.get("index")) for x in named))
     return done
 
 
@@ -578,11 +574,11 @@ def _incident_rows(records: List[Dict[str, Any]]) -> List[str]:
     for number, r in enumerate(_labelled(records), 1):
         cause = _cause(r)
         diagnosis = summarize_diagnosis(r["diagnosis"]) if isinstance(r.get("diagnosis"), dict) else ""
+        named = quarantined_samples(r)
+        changes = _changes(r) + (["quarantined " + "; ".join(_sample_text(x) for x in named)] if named else [])
         cells = [number, r.get("iteration"), r.get("event"), r.get("reason") or r.get("why") or "",
                  cause.get("cause") or "", cause.get("evidence") or "", cause.get("action") or "",
-                 "; ".join(_changes(r) + ["quarantined " + "; ".join(_sample_text(x) for x in quarantined_samples(r))]
-                           if quarantined_samples(r) else _changes(r)), _rollback(r), r.get("iterations_lost") or 0,
-                 diagnosis]
+                 "; ".join(changes), _rollback(r), r.get("iterations_lost") or 0, diagnosis]
         out.append("<tr>" + "".join(_cell(c) for c in cells) + "</tr>")
     return out
 
