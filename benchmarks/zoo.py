@@ -32,7 +32,7 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria"]
+__all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria", "compare", "GROUPS"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
@@ -92,8 +92,9 @@ def _evals(rows: List[Dict[str, Any]]) -> List[float]:
     return [r["eval_loss"] for r in rows if r["eval_loss"] is not None and not r["lost"]]
 
 
-def _compare(guarded: List[Dict[str, Any]], reference: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Guarded against the reference over one set of seeds: median ratio, runs inside the reference's min-max."""
+def compare(guarded: List[Dict[str, Any]], reference: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Guarded against the reference over one set of seeds (rows with ``eval_loss`` and ``lost``, as this script's and
+    efficacy.py's are): median ratio, runs inside the reference's min-max, and of the others those below it."""
     ref = [r["eval_loss"] for r in reference if r["eval_loss"] is not None]
     g_med, r_med = _median(_evals(guarded)), _median(ref)
     lo, hi = (min(ref), max(ref)) if ref else (None, None)
@@ -153,7 +154,7 @@ def _cell(rows: List[Dict[str, Any]], model: str, scenario: str) -> Dict[str, An
         g = [r for r in guarded if r["seed"] in group]
         ref = [r for r in reference if r["seed"] in group]
         if g and (name == "all" or len(g) < len(guarded)):
-            out[f"seeds_{name}"] = _compare(g, ref)
+            out[f"seeds_{name}"] = compare(g, ref)
     return out
 
 
