@@ -2,7 +2,7 @@
 logbook did by hand (docs/remedies.md walks through it).
 
 ``custom_imports=dict(imports=['petr_stability', 'beta2_remedy'])`` imports this file, which registers the remedy;
-``NanGuardHook(remedies=[..., 'beta2'])`` switches it on. Nothing in petr_stability changes.
+``NanGuardHook(remedies=[dict(type='beta2')])`` switches it on, beside the defaults. Nothing in petr_stability changes.
 """
 from typing import Any, List
 

@@ -15,8 +15,7 @@ _base_ = ['../mmcv1/config.py']
 
 custom_imports = dict(imports=['petr_stability', 'toy_detector', 'beta2_remedy'], allow_failed_imports=False)
 custom_hooks = [
-    dict(type='NanGuardHook',
-         remedies=['clip', 'dropout', 'rollback', 'scale', 'lr', 'moments', 'quarantine', 'fp32', 'temporal', 'beta2'],
-         beta2_target=0.95),
+    # remedies= entries add to the defaults: beta2 switched on, beside the built-ins, with its setting.
+    dict(type='NanGuardHook', remedies=[dict(type='beta2', beta2_target=0.95)]),
     dict(type='FaultInjectionHook', faults=[dict(kind='weights', iters=[12], value='nan')]),  # the fire drill
 ]

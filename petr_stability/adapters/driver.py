@@ -98,6 +98,8 @@ class GuardDriver:
         self.guard.capture_start()
         self.guard.attach_data()  # before the loader's first batch where the runner has built it by now
         self.io.store_state(self.state_dict())
+        for notice in self.config.notices if get_rank() == 0 else ():
+            self.io.log(f"NanGuard: {notice}", "warning")
         self._log_preflight()
         self._run_config = self._read_run_config()
 

@@ -7,13 +7,15 @@ closest one) and holds the checked values as attributes. docs/configuration.md's
 """
 import difflib
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
+from .remedies.base import Remedy
 from .remedies.registry import REMEDIES, REMEDY_TYPES, ladder_of
-from .validate import Setting, check_choice, check_list, check_names, is_bool, is_int, is_number
+from .validate import Setting, check_bool, check_choice, check_list, check_names, is_bool, is_int, is_number
 from .watch.detector import DetectorConfig
 
-__all__ = ["GuardConfig", "REMEDIES", "CORE_SETTINGS", "settings"]
+__all__ = ["GuardConfig", "REMEDIES", "CORE_SETTINGS", "settings", "read_remedies", "remedy_type"]
 
 
 def _scale_fall(name: str, value: Any) -> float:
@@ -99,6 +101,113 @@ def _carry(name: str, value: Any) -> Dict[str, Dict[str, Any]]:
     return {k: dict(v) for k, v in value.items()}
 
 
+def remedy_type(kind: Any) -> Type[Remedy]:
+    """The registered remedy type a ``remedies=`` entry's ``type`` names: its ``remedies=`` name, its class name, or
+    the class itself.
+
+    Raises:
+        ValueError: nothing registered by that name (the registered names are listed).
+    """
+    for cls in REMEDY_TYPES.values():
+        if kind is cls or kind == cls.name or kind == cls.__name__:
+            return cls
+    raise ValueError(f"remedies: unknown remedy type {kind!r}; choose from {list(REMEDY_TYPES)} (a remedy of your "
+                     "own is registered with register_remedy, docs/remedies.md)")
+
+
+def _switch(cls: Type[Remedy], on: bool, names: List[str], arguments: Dict[str, Any]) -> None:
+    if cls.switch != "remedies":
+        arguments[cls.switch] = on
+    elif on and cls.name not in names:
+        names.append(cls.name)
+    elif not on and cls.name in names:
+        names.remove(cls.name)
+
+
+def _flat_notices(arguments: Mapping[str, Any], owner: str) -> List[str]:
+    # A remedy's tuning given on the hook itself: one notice per remedy, naming the entry it belongs in.
+    owners = {s.name: cls for cls in REMEDY_TYPES.values() for s in cls.settings}
+    flat: Dict[str, Dict[str, Any]] = {}
+    for key, value in arguments.items():
+        cls = owners.get(key)
+        if cls is not None and not any(s.name == key and s.start for s in cls.settings):
+            flat.setdefault(cls.name, {})[key] = value
+    notices = []
+    for name, given in flat.items():
+        entry = ", ".join([f"type={name!r}"] + [f"{k}={v!r}" for k, v in given.items()])
+        notices.append(f"{owner}({', '.join(f'{k}={v!r}' for k, v in given.items())}): a remedy's setting given on "
+                       f"the hook is deprecated; give it in the remedy's entry: remedies=[dict({entry})]")
+    return notices
+
+
+def _entry(entry: Any) -> Tuple[Type[Remedy], bool, Dict[str, Any]]:
+    # One remedies= entry: its remedy type, whether it switches it on, and the settings it gives.
+    if isinstance(entry, str):
+        entry = {"type": entry}
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"remedies: an entry must be a name or dict(type=..., **settings), got {entry!r}")
+    entry = dict(entry)
+    if "type" not in entry:
+        raise ValueError(f"remedies: the entry {entry!r} has no type (the remedy's name: dict(type='lr', ...))")
+    cls = remedy_type(entry.pop("type"))
+    on = check_bool(f"remedies: {cls.name!r} enabled", entry.pop("enabled", True))
+    declared = [s.name for s in cls.settings if s.name != cls.switch]
+    for key in entry:
+        if key not in declared:
+            close = difflib.get_close_matches(str(key), declared, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"remedies: {cls.name!r} has no setting {key!r}{hint} (its settings: "
+                            f"{declared + ['enabled']})")
+    return cls, on, entry
+
+
+def read_remedies(arguments: Mapping[str, Any], owner: str = "NanGuardHook") -> Tuple[Dict[str, Any], List[str]]:
+    """The hook's arguments with ``remedies=`` read into the flat settings :class:`GuardConfig` holds, and the
+    deprecation notices the old forms earn.
+
+    ``remedies=`` entries are names or ``dict(type=name, **settings)``. A list holding a ``dict`` changes the
+    defaults (:data:`REMEDIES`): each entry switches its remedy on, with its settings (``dict(type='lr',
+    lr_backoff=0.25)``), and ``dict(type=name, enabled=False)`` switches a default off. A list of names only is, as
+    it always was, the whole set; where it leaves a default out, a notice names the new form. A remedy's setting given
+    on the hook itself (``lr_backoff=0.25``) keeps loading with a notice naming its entry; the states a patched
+    config writes there (``quarantine``, ``fp32_modules``: :attr:`~.validate.Setting.start`) earn none.
+
+    Raises:
+        TypeError: an entry is neither a name nor a dict, or gives a setting its remedy does not declare (the
+            closest one is named).
+        ValueError: an entry has no ``type``, names an unknown one or the same remedy twice, or gives a setting the
+            hook's arguments give too.
+    """
+    arguments = dict(arguments)
+    notices = _flat_notices(arguments, owner)
+    value = arguments.get("remedies")
+    if not isinstance(value, (list, tuple)):  # the default, or a value the setting's own check refuses
+        return arguments, notices
+    entries = list(value)
+    if not any(isinstance(e, Mapping) for e in entries):
+        left_out = [n for n in REMEDIES if n not in entries]
+        if left_out and all(isinstance(e, str) for e in entries):
+            off = ", ".join(f"dict(type={n!r}, enabled=False)" for n in left_out)
+            notices.append(f"{owner}(remedies={list(entries)!r}): a list of names only is the whole set, which leaves "
+                           f"out the defaults {left_out} (the old form, deprecated); list what you add or change, and "
+                           f"switch a default off by its entry: remedies=[{off}]")
+        return arguments, notices
+    names, seen = list(REMEDIES), set()
+    for entry in entries:
+        cls, on, given = _entry(entry)
+        if cls.name in seen:
+            raise ValueError(f"remedies: {cls.name!r} is given twice; give each remedy one entry")
+        seen.add(cls.name)
+        for key, setting in given.items():
+            if key in arguments:
+                raise ValueError(f"remedies: {cls.name!r} gives {key}={setting!r} and {owner} gives "
+                                 f"{key}={arguments[key]!r}; give it once, in the remedy's entry")
+            arguments[key] = setting
+        _switch(cls, on, names, arguments)
+    arguments["remedies"] = tuple(names)
+    return arguments, notices
+
+
 def settings() -> Tuple[Setting, ...]:
     """Every setting: the core's, then each registered remedy type's."""
     return CORE_SETTINGS + tuple(s for r in REMEDY_TYPES.values() for s in r.settings)
@@ -116,13 +225,21 @@ class GuardConfig:
     """
 
     def __init__(self, **arguments: Any) -> None:
+        self._build(arguments, type(self).__name__)
+
+    def _build(self, arguments: Mapping[str, Any], owner: str) -> None:
+        arguments, notices = read_remedies(arguments, owner)
+        #: What the arguments' old forms earn (:func:`read_remedies`): warned here, logged as the run starts.
+        self.notices: Tuple[str, ...] = tuple(notices)
+        for notice in notices:
+            warnings.warn(notice, DeprecationWarning, stacklevel=3)
         declared = settings()
         names = [s.name for s in declared]
         for key in arguments:
             if key not in names:
                 close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise TypeError(f"{type(self).__name__} got an unknown argument {key!r}{hint} (its arguments: "
+                raise TypeError(f"{owner} got an unknown argument {key!r}{hint} (its arguments: "
                                 "docs/configuration.md)")
         for setting in declared:
             setattr(self, setting.name, setting.value(arguments))
@@ -141,10 +258,9 @@ class GuardConfig:
     def from_arguments(cls, arguments: Mapping[str, Any], owner: str = "NanGuardHook") -> "GuardConfig":
         """The settings from a hook's keyword arguments; an unknown name is refused naming it and the closest
         argument (``TypeError``), and the hook (``owner``), not this class."""
-        try:
-            return cls(**arguments)
-        except TypeError as exc:
-            raise TypeError(str(exc).replace(cls.__name__, owner, 1)) from None
+        config = cls.__new__(cls)
+        config._build(arguments, owner)
+        return config
 
     def as_dict(self) -> Dict[str, Any]:
         """Every setting's value, by name."""

@@ -80,12 +80,16 @@ class Setting:
         check: ``check(name, value) -> value`` validates (raising ``ValueError`` / ``TypeError`` that name the
             value) and normalises it.
         doc: one paragraph for docs/configuration.md.
+        start: a remedy's setting that holds a state the run starts from, which a patched config writes on the
+            ``NanGuardHook`` entry itself (``quarantine``, ``fp32_modules``): given there it is not deprecated, as a
+            remedy's tuning given there is (:func:`~.config.read_remedies`). Defaults to False.
     """
 
     name: str
     default: Any
     check: Callable[[str, Any], Any] = field(repr=False)
     doc: str = ""
+    start: bool = False
 
     def value(self, arguments: Mapping[str, Any]) -> Any:
         """The checked value ``arguments`` give it (its default where they do not)."""

@@ -33,8 +33,8 @@ RUNS = {
     "known_fix": ("known fix, unguarded", "the known manual fix (transformer dropout 0, max_norm 1) from the start"),
     "guarded": ("default + NanGuardHook", "dropout 0.1, max_norm 35, NanGuardHook on"),
     "reference": ("reference (stable lr)", "dropout 0.1, max_norm 35, the stable learning rate"),
-    "adaptive_clip": ("guarded + adaptive clip", "dropout 0.1, max_norm 35, NanGuardHook(adaptive_clip=True): "
-                                                 "clipped at min(35, mean + z*std)"),
+    "adaptive_clip": ("guarded + adaptive clip", "dropout 0.1, max_norm 35, NanGuardHook(remedies=[dict(type="
+                                                 "'adaptive_clip')]): clipped at min(35, mean + z*std)"),
 }
 
 #: The smallest ``--iters``: the guarded data_burst run recovers from here on (measured; 12 gives up).
@@ -68,7 +68,7 @@ class DemoSettings:
         seed: the runner's seed (weights, dropout); the frames are drawn with ``seed + 1``.
         guard: keyword arguments of ``NanGuardHook`` for the ``guarded`` run.
         adaptive: further ``NanGuardHook`` arguments of the ``adaptive_clip`` run (the guarded run's plus
-            ``adaptive_clip=True`` and the grad_norm window it clips from).
+            ``remedies=[dict(type='adaptive_clip')]`` and the grad_norm window it clips from).
     """
 
     scenario: str = "data_burst"
@@ -132,7 +132,8 @@ def settings_for(scenario: str = "data_burst", iters: Optional[int] = None, quic
         runs = ("unguarded", "known_fix", "guarded", "reference", "adaptive_clip")
         return DemoSettings(scenario, n, lr=DYNAMICS_LR, reference_lr=STABLE_LR, runs=runs, warmup=warmup,
                             guard=_guard_settings(n),
-                            adaptive=dict(adaptive_clip=True, spike_window=50, spike_z=3.0, spike_warmup=10))
+                            adaptive=dict(remedies=[dict(type="adaptive_clip")], spike_window=50, spike_z=3.0,
+                                          spike_warmup=10))
     return DemoSettings(scenario, n, lr=PETR_LR, reference_lr=PETR_LR, runs=("unguarded", "known_fix", "guarded"),
                         burst_at=int(n * 0.6) + 1, burst_frames=4, warmup=warmup, guard=_guard_settings(n))
 

@@ -7,7 +7,7 @@ import pytest
 from petr_stability.cli import main
 from petr_stability.demo.run import MIN_ITERS, RUNS, SCENARIOS, settings_for
 
-#: The runs with a NanGuardHook: ``adaptive_clip`` is the guard with its own ``adaptive_clip=True``.
+#: The runs with a NanGuardHook: ``adaptive_clip`` is the guard with its own ``remedies=[dict(type='adaptive_clip')]``.
 GUARDED = ("guarded", "adaptive_clip")
 SUMMARY_KEYS = {"finished": bool, "state_finite": bool, "eval_loss": (float, type(None)), "incidents": int,
                 "iters_lost": int, "iters_lost_per_incident": list, "lost": bool, "wall_s": float}
@@ -28,7 +28,7 @@ def test_settings_validate():
 
 
 def test_adaptive_clip_run_is_the_guards_own_option(tmp_path):
-    """The adaptive_clip run is NanGuardHook(adaptive_clip=True) with the guarded run's settings; no demo-side hook."""
+    """The adaptive_clip run is NanGuardHook(remedies=[dict(type='adaptive_clip')]) with the guarded run's settings; no demo-side hook."""
     from petr_stability.demo import run as demo
 
     s = settings_for("dynamics", quick=True)
@@ -38,6 +38,7 @@ def test_adaptive_clip_run_is_the_guards_own_option(tmp_path):
     assert len(hooks) == 1
     config = hooks[0].config
     assert config.adaptive_clip is True and config.snapshot_interval == s.guard["snapshot_interval"]
+    assert config.notices == ()  # the new form: no deprecation
     assert config.spike_window == s.adaptive["spike_window"]
     plain = demo._build_runner("guarded", str(tmp_path / "g"), s, train, [])
     assert [h.config.adaptive_clip for h in plain.hooks if type(h).__name__ == "NanGuardHook"] == [False]

@@ -72,6 +72,33 @@ def test_the_settings_table_is_every_setting_the_code_declares_with_its_default(
     assert wrong == {}, wrong
 
 
+def test_the_settings_table_names_each_remedy_setting_s_remedy():
+    # Issue 40: a remedy's setting goes in its remedies= entry; the table says which entry (and which are start
+    # states, which stay hook arguments), as the registry declares it.
+    from petr_stability.core.config import CORE_SETTINGS
+    from petr_stability.core.remedies.registry import REMEDY_TYPES
+
+    section = _read("docs", "configuration.md").split("| argument | default |", 1)[1].split("\n\n", 1)[0]
+    marks = dict(re.findall(r"^\| `([^`]+)` ([^|]*)\|", section, re.M))
+    want = {s.name: (f"(`{r.name}`'s switch)" if s.name == r.switch else
+                     f"(remedy `{r.name}`{', a start state' if s.start else ''})")
+            for r in REMEDY_TYPES.values() for s in r.settings}
+    want.update({s.name: "" for s in CORE_SETTINGS})
+    assert {name: marks.get(name, "").strip() for name in want} == want
+
+
+def test_the_readme_fits_one_screen_and_every_doc_it_moved_out_is_linked():
+    # Issue 40: what it is, the two config lines, the two commands, the table and links; the rest is in docs/.
+    text = _read("README.md")
+    assert len(text.splitlines()) <= 80
+    assert text.startswith("# petr_stability\n\n```bash\nmake demo ") and "\nmake test " in text
+    assert "custom_hooks = [dict(type='NanGuardHook')]" in text
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", text))
+    assert {"overview.md", "how-it-works.md", "configuration.md", "remedies.md", "cli.md"} <= linked
+    for name in linked:
+        assert os.path.isfile(os.path.join(ROOT, "docs", name)), name
+
+
 def test_readme_settings_and_defaults_are_the_codes():
     # Every `name=value` the README gives for the hook, and each setting it names in backticks with a number.
     from petr_stability.core.config import settings

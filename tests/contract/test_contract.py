@@ -42,7 +42,24 @@ BAD_ARGS = [
     (dict(write_patched_config=None), TypeError, "write_patched_config must be a bool, got None"),
     (dict(snapshot_copies=None), ValueError, "snapshot_copies must be one of ['rank', 'node'], got None"),
     (dict(replica_check_interval=-1), ValueError, "replica_check_interval must be an integer >= 0, got -1"),
+    (dict(remedies=[dict(type="lr", lr_bakoff=0.25)]), TypeError, "'lr' has no setting 'lr_bakoff'; did you mean"),
+    (dict(remedies=[dict(type="lr", lr_backoff=0)]), ValueError, "lr_backoff must be a number > 0, got 0"),
 ]
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_remedy_entries_change_the_defaults_and_an_old_form_is_logged_with_its_new_form(family, tmp_path):
+    # Issue 40: remedies= entries are names or dict(type=..., **settings) over the defaults; a remedy's setting
+    # given on the hook itself still loads, and the run's log names the entry it belongs in (rank 0, once).
+    run = build(family, tmp_path, iters=6, guard=dict(lr_backoff=0.25, remedies=[
+        dict(type="temporal", enabled=False), dict(type="clip", max_norm=2.0)]), logs=True)
+    run.train()
+    config = run.guard.config
+    assert config.lr_backoff == 0.25 and config.max_norm == 2.0 and "temporal" not in config.remedies
+    assert "clip" in config.remedies and "quarantine" in config.remedies
+    lines = [line for line in run.read_logs().lines if "remedies=[dict(type='lr', lr_backoff=0.25)]" in line]
+    assert len(lines) == 1 and "deprecated" in lines[0], run.read_logs().lines
+    assert not [line for line in run.read_logs().lines if "max_norm=2.0" in line and "deprecated" in line]
 
 
 @pytest.mark.parametrize("family", NAMES)

@@ -129,7 +129,7 @@ class Fp32Remedy(Remedy):
     events = (When.START, When.BEFORE_RESTORE)
     settings = (Setting("fp32_modules", (), is_names, "modules (names as ``model.named_modules()`` gives them) run "
                         "in fp32 from the start: what an earlier run's forward-overflow remedy learnt, as its patched "
-                        "config carries it."),)
+                        "config carries it.", start=True),)
     state = ("fp32",)
     section = "policy"
     idle = {"fp32_modules": {}}

@@ -328,7 +328,7 @@ class Quarantine(Remedy):
                 "its patched config carries it, each by what it is (``dict(dataset=..., inner_index=..., token=...)``: "
                 "resolved through this run's own dataset wrappers, whatever its seed, CBGS table or batch size) or, as "
                 "older patched configs wrote, by dataset index; they do not use up this run's "
-                "``quarantine_fraction``."),
+                "``quarantine_fraction``.", start=True),
         Setting("quarantine_recurring", True, is_bool, "a sample evidence names at skipped steps (an fp32 step "
                 "skipped, an fp16 step whose forward is non-finite) in two different epochs, or under two indices, "
                 "is quarantined within ``quarantine_fraction``."),
