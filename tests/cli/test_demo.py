@@ -28,7 +28,8 @@ def test_settings_validate():
 
 
 def test_adaptive_clip_run_is_the_guards_own_option(tmp_path):
-    """The adaptive_clip run is NanGuardHook(remedies=[dict(type='adaptive_clip')]) with the guarded run's settings; no demo-side hook."""
+    """The adaptive_clip run is NanGuardHook(remedies=[dict(type='adaptive_clip')]) with the guarded run's settings;
+    no demo-side hook."""
     from petr_stability.demo import run as demo
 
     s = settings_for("dynamics", quick=True)
