@@ -1,21 +1,23 @@
-"""examples/mmengine/config.py with a remedy of your own switched on, and a fire drill that makes it act.
+"""examples/mmengine/config.py with two remedies of your own switched on, and a fire drill that makes it act.
 
 Run it (from the repository root):
     python examples/mmengine/train.py examples/user_remedy/mmengine_config.py --work-dir work_dirs/beta2
 The drill puts NaN into the weights at iteration 12: a divergence the replay classes as training dynamics, so the
-ladder's first rung acts (the known manual fix (transformer dropout 0, max_norm 1)) and, beside it, this remedy
-(Adam's beta2 to 0.95). docs/remedies.md says what to look for in the log, the incident log and the patched config.
+ladder's first rung acts (the known manual fix (transformer dropout 0, max_norm 1)) and, beside it, these remedies
+(Adam's beta2 to 0.95, an absolute target; the weight decay x 0.5, a relative one). docs/remedies.md says what to
+look for in the log, the incident log and the patched config.
 """
 import sys
 
 if '{{ fileDirname }}' not in sys.path:
-    sys.path.append('{{ fileDirname }}')  # beta2_remedy.py is a file next to this config (your package, in a project)
+    sys.path.append('{{ fileDirname }}')  # the remedies are files next to this config (your package, in a project)
 
 _base_ = ['../mmengine/config.py']
 
-custom_imports = dict(imports=['petr_stability', 'toy_detector', 'beta2_remedy'], allow_failed_imports=False)
+custom_imports = dict(imports=['petr_stability', 'toy_detector', 'beta2_remedy', 'decay_remedy'],
+                      allow_failed_imports=False)
 custom_hooks = [
-    # remedies= entries add to the defaults: beta2 switched on, beside the built-ins, with its setting.
-    dict(type='NanGuardHook', remedies=[dict(type='beta2', beta2_target=0.95)]),
+    # remedies= entries add to the defaults: beta2 and decay switched on, beside the built-ins, with their settings.
+    dict(type='NanGuardHook', remedies=[dict(type='beta2', beta2_target=0.95), dict(type='decay', decay_factor=0.5)]),
     dict(type='FaultInjectionHook', faults=[dict(kind='weights', iters=[12], value='nan')]),  # the fire drill
 ]

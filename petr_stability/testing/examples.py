@@ -127,9 +127,10 @@ def guard_state(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_user_remedy(example: Path, tmp: Path, resume: str) -> None:
-    """examples/user_remedy end to end on ``example``'s train script: the user's remedy acts on its cause, its state
-    rides in the checkpoints and survives a resume (``resume``: the ``--cfg-options`` entry naming the checkpoint,
-    ``{ckpt}`` filled in), and the next run from the patched config starts with it re-applied (docs/remedies.md)."""
+    """examples/user_remedy end to end on ``example``'s train script: the user's remedies (beta2, an absolute target;
+    decay, a relative one) act on their cause, ride in the checkpoints and survive a resume (``resume``: the
+    ``--cfg-options`` entry naming the checkpoint, ``{ckpt}`` filled in) without applying anything twice, and the
+    next run from the patched config starts with them re-applied (docs/remedies.md)."""
     import glob
 
     from petr_stability import read_incidents
@@ -140,28 +141,34 @@ def check_user_remedy(example: Path, tmp: Path, resume: str) -> None:
     (rec,) = read_incidents(str(first.work_dir))
     assert rec["event"] == "divergence" and rec["cause"]["cause"] == "dynamics"
     assert {"target": "optimizer0.group0.betas[1]", "old": 0.999, "new": 0.95} in rec["actions"]
-    assert rec["cause"]["evidence"].endswith("; Adam beta2 0.95")
+    assert {"target": "optimizer0.group0.weight_decay", "old": 0.01, "new": 0.005} in rec["actions"]
+    assert rec["cause"]["evidence"].endswith("; Adam beta2 0.95; weight decay x 0.5"), rec["cause"]["evidence"]
     checkpoints = sorted(glob.glob(str(first.work_dir / "*.pth")))
-    for path in checkpoints:  # every checkpoint after the incident: the remedy's state and the optimizer's beta2
+    for path in checkpoints:  # every checkpoint after the incident: the remedies' state and the optimizer's values
         ckpt = load_checkpoint(path)
-        assert guard_state(ckpt)["remedies"] == {"beta2": {"beta2": 0.95}}, path
-        assert ckpt["optimizer"]["param_groups"][0]["betas"][1] == 0.95, path
+        state = guard_state(ckpt)
+        assert state["remedies"] == {"decay": {"decay_scale": 0.5}}, path
+        assert state["targets"]["beta2"] == {"betas[1]": {"value": 0.95, "relative": False, "base": {}}}, path
+        assert state["targets"]["decay"]["weight_decay"]["base"] == {"0.0": 0.01}, path
+        _check_groups(ckpt, 0.95, 0.005, path)
     patched = (first.work_dir / "nan_guard_patched_config.py").read_text()
     assert "carried for beta2" in patched and "carry=dict(" in patched and "type='FaultInjectionHook'" not in patched
     again = train_example(example, tmp / "run2", "--cfg-options", resume.format(ckpt=checkpoints[0]), config=config)
     assert again.returncode == 0, again.tail()
     last = load_checkpoint(sorted(glob.glob(str(again.work_dir / "*.pth")))[-1])
-    assert guard_state(last)["remedies"] == {"beta2": {"beta2": 0.95}}
-    assert last["optimizer"]["param_groups"][0]["betas"][1] == 0.95
+    assert guard_state(last)["remedies"] == {"decay": {"decay_scale": 0.5}}
+    _check_groups(last, 0.95, 0.005, "resumed")  # 0.005, not 0.0025: a relative target is not applied twice
     # The next run: the user's package importable as in a real project (the config's own sys.path line, code and not a
     # setting, is not in a flat patched config).
     following = train_example(example, tmp / "run3", config=first.work_dir / "nan_guard_patched_config.py",
                               paths=(str(config.parent),))
     assert following.returncode == 0, following.tail()
     assert "carried from the earlier run: optimizer0.group0.betas[1]: 0.999 -> 0.95" in following.output
+    assert "carried from the earlier run: optimizer0.group0.weight_decay: 0.01 -> 0.005" in following.output
     assert read_incidents(str(following.work_dir)) == []
     last = load_checkpoint(sorted(glob.glob(str(following.work_dir / "*.pth")))[-1])
-    assert last["optimizer"]["param_groups"][0]["betas"][1] == 0.95 and guard_state(last)["remedies"]
+    _check_groups(last, 0.95, 0.005, "the next run")
+    assert guard_state(last)["remedies"]
     # The toy detector builds its transformer in code: no config key holds its dropouts, so the patched config
     # carries every module run 1 zeroed, and the next run sets them to 0 before its first iteration.
     zeroed = [a["target"] for a in rec["actions"] if a["new"] == 0.0]
@@ -171,9 +178,17 @@ def check_user_remedy(example: Path, tmp: Path, resume: str) -> None:
     check_next_incident(example, tmp, first.work_dir / "nan_guard_patched_config.py", zeroed)
 
 
+def _check_groups(checkpoint: Dict[str, Any], beta2: float, decay: float, where: Any) -> None:
+    for group in checkpoint["optimizer"]["param_groups"]:
+        assert group["betas"][1] == beta2 and group["weight_decay"] == decay, (where, group["betas"],
+                                                                             group["weight_decay"])
+
+
 def check_next_incident(example: Path, tmp: Path, patched: Path, zeroed: List[str]) -> None:
     """The next run from the patched config, the same fire drill planted again: its incident is not the one run 1
     fixed (the known manual fix is in force from the first iteration: the ladder goes on to its next rung)."""
+    import glob
+
     from petr_stability import read_incidents
     from petr_stability.configfix import load_config
 
@@ -188,3 +203,8 @@ def check_next_incident(example: Path, tmp: Path, patched: Path, zeroed: List[st
     targets = [a["target"] for a in rec["actions"]]
     assert not set(zeroed) & set(targets) and not any("max_norm" in t for t in targets), targets
     assert any(t.endswith(".lr") for t in targets), targets  # the learning-rate rung
+    # The relative target acts once more (x 0.25 of the config's 0.01), the absolute one is in force already.
+    assert {"target": "optimizer0.group0.weight_decay", "old": 0.005, "new": 0.0025} in rec["actions"], rec["actions"]
+    assert not any(t.endswith("betas[1]") for t in targets), targets
+    last = load_checkpoint(sorted(glob.glob(str(run.work_dir / "*.pth")))[-1])
+    _check_groups(last, 0.95, 0.0025, "the next incident")

@@ -19,6 +19,7 @@ from ..diagnosis.classify import CauseHistory
 from ..port import GuardIO, Payload
 from ..remedies.base import Change, ConfigEntry, Context, Outcome, Remedy, When
 from ..remedies.registry import LADDER, REMEDY_TYPES, Rung, ladder_of, serving
+from ..remedies.targets import CARRY_KEY, Targets
 
 __all__ = ["Rung", "LADDER", "Remedies", "CausePolicy"]
 
@@ -41,6 +42,8 @@ class Remedies:
         self._by_event: Dict[When, List[Remedy]] = {e: [r for r in self.all if e in r.events] for e in When}
         #: Remedies that changed something in this run (their summary and patched-config entry are asked for).
         self.acted: set = set()
+        #: What remedies declared (:class:`~..remedies.base.Target`): kept in force here.
+        self.targets = Targets()
 
     def __iter__(self) -> Iterator[Remedy]:
         return iter(self.all)
@@ -55,14 +58,15 @@ class Remedies:
         return Context(io, self.config, event, peers=self.by_name, **fields)
 
     def takers(self, event: When, ctx: Context, names: Optional[Iterable[str]] = None) -> List[Remedy]:
-        """The switched-on remedies that take ``event`` (among ``names`` where given; for a class at the restore
-        events, those serving or assisting it) and match ``ctx``."""
+        """The switched-on remedies that take ``event`` (among ``names`` where given, a ladder's rung) and match
+        ``ctx``; at the restore events, only those serving or assisting the incident's class (a remedy declaring
+        ``dynamics`` alone is not called for an ``unknown`` incident, on a rung or not)."""
         chosen = None if names is None else set(names)
         out = []
         for r in self._by_event[event]:
             if not r.enabled or (chosen is not None and r.name not in chosen):
                 continue
-            if chosen is None and event in (When.BEFORE_RESTORE, When.RESTORE, When.AFTER_RESTORE) and (
+            if event in (When.BEFORE_RESTORE, When.AFTER_RESTORE) and (
                     ctx.cls is None or ctx.cls.cause not in r.causes + r.assists):
                 continue
             if r.match(ctx):
@@ -77,7 +81,10 @@ class Remedies:
         evidence, cause, exclude = "", None, []
         for r in self.takers(event, ctx, names):
             out = Outcome.of(r.apply(ctx))
-            if out.changes:
+            if out.targets:
+                out = replace(out, changes=tuple(out.changes) + tuple(self.targets.declare(r.name, out.targets,
+                                                                                            ctx.io)))
+            if out.changes or out.targets:
                 self.acted.add(r.name)
             changes += out.changes
             evidence, signals, cause = evidence + out.evidence, {**signals, **out.signals}, out.cause or cause
@@ -87,10 +94,15 @@ class Remedies:
                 ctx = replace(ctx, cls=out.applied_to(ctx.cls))
         return Outcome(tuple(changes), evidence, signals, cause, exclude or None)
 
+    def enforce(self, io: Any) -> List[Change]:
+        """Every declared target in force (:meth:`~..remedies.targets.Targets.enforce`); nothing is entered where no
+        remedy declared one."""
+        return self.targets.enforce(io) if self.targets.by_remedy else []
+
     def serves(self, cause: Cause) -> bool:
         """Whether any switched-on remedy acts on ``cause`` (the rollback, which every class that rolls back takes,
         is no answer to one by itself)."""
-        return any(self.by_name[n].enabled and When.RESTORE not in self.by_name[n].events
+        return any(self.by_name[n].enabled and not self.by_name[n].restore
                    for n in serving(cause, self.ladder) if n in self.by_name)
 
     # ------------------------------------------------------------------ state, in one generic pass
@@ -103,6 +115,8 @@ class Remedies:
         """Their state as the guard's checkpoint state holds it: top-level keys, the ``policy`` section, and
         ``remedies.<name>`` for registered types of users."""
         state: Dict[str, Any] = {"policy": {}}
+        if self.targets.by_remedy:
+            state["targets"] = self.targets.state_dict()
         for r in self.all:
             values = {k: copy.deepcopy(getattr(r, k)) for k in r.state}
             if r.section in _SECTIONS:
@@ -113,6 +127,7 @@ class Remedies:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The inverse of :meth:`state_dict`; keys a checkpoint lacks keep their defaults (old checkpoints load)."""
+        self.targets.load_state_dict(state.get("targets") or {})
         for r in self.all:
             part = self._part(r, state)
             for key in r.state:
@@ -121,7 +136,8 @@ class Remedies:
 
     def idle(self, r: Remedy) -> bool:
         """It never changed anything in this run, and its state is its defaults (no call into it)."""
-        return r.name not in self.acted and all(getattr(r, k) == v for k, v in self._defaults[r.name].items())
+        return r.name not in self.acted and r.name not in self.targets.by_remedy and all(
+            getattr(r, k) == v for k, v in self._defaults[r.name].items())
 
     def tags(self) -> Dict[str, Any]:
         """What a restore point records of them: ``{'<remedy>.<attribute>': value}``."""
@@ -154,11 +170,18 @@ class Remedies:
         out: Dict[str, Any] = {}
         for r in self.all:
             out.update(copy.deepcopy(dict(r.idle)) if self.idle(r) else r.summary(io))
+        if self.targets.by_remedy:
+            out["targets"] = self.targets.summary()
         return out
 
     def config_entries(self, io: Any) -> Dict[str, ConfigEntry]:
-        """Each remedy's patched-config entry, for those that acted (by name)."""
-        return {r.name: r.config_entry(io) for r in self.all if not self.idle(r)}
+        """Each remedy's patched-config entry, for those that acted (by name); its declared targets ride in its
+        ``carry`` entry."""
+        entries = {r.name: r.config_entry(io) for r in self.all if not self.idle(r)}
+        for name, entry in entries.items():
+            if name in self.targets.by_remedy:
+                entries[name] = replace(entry, carry={**entry.carry, CARRY_KEY: self.targets.carried(name)})
+        return entries
 
     def reapply(self, carry: Mapping[str, Mapping[str, Any]], io: Any, log: Any) -> List[Any]:
         """The patched config's ``carry={name: ...}`` given back to each remedy before the first iteration; returns the
@@ -170,8 +193,11 @@ class Remedies:
                 log(f"NanGuard: carry names remedy {name!r}, which is not registered here (its package not in "
                     "custom_imports?): not re-applied", "warning")
                 continue
-            done = r.reapply(dict(carried or {}), self.context(io, When.START))
-            if done:
+            carried = dict(carried or {})
+            targets = dict(carried.pop(CARRY_KEY, None) or {})
+            done = r.reapply(carried, self.context(io, When.START))
+            done += self.targets.take_carried(name, targets, io) if targets else []
+            if done or targets:
                 self.acted.add(name)
             changes += done
         return changes
@@ -260,6 +286,7 @@ class CausePolicy:
         """Before the first iteration: what a resumed state recorded, then what the patched config carries
         (``carry=``), re-applied. Returns the changes."""
         changes = list(self.remedies.fire(When.START, self.remedies.context(io, When.START)).changes)
+        changes += self.remedies.enforce(io)  # a resumed state's targets: changes nothing where they hold
         carried = self.remedies.reapply(self.config.carry, io, io.log) if self.config.carry else []
         for change in carried:
             io.log(f"NanGuard: carried from the earlier run: {change.target}: {change.old} -> {change.new}")
@@ -312,9 +339,9 @@ class CausePolicy:
         return after.but(action=self.action_text(after.cause)), list(outcome.changes)
 
     def rolls_back(self, c: Classification, io: GuardIO) -> bool:
-        """Whether a remedy takes :attr:`~..remedies.base.When.RESTORE` for ``c`` (the rollback's switch)."""
-        ctx = self.remedies.context(io, When.RESTORE, cls=c)
-        return row(c.cause).rolls_back and bool(self.remedies.takers(When.RESTORE, ctx))
+        """Whether ``c`` rolls back: its row says so and a switched-on remedy that is the rollback's switch
+        (:attr:`~..remedies.base.Remedy.restore`) serves its class."""
+        return row(c.cause).rolls_back and any(r.enabled and r.restore and c.cause in r.causes for r in self.remedies)
 
     def after_restore(self, c: Classification, io: GuardIO, payload: Payload,
                       incident: int) -> Tuple[Classification, List[Change], List[str]]:
@@ -322,6 +349,7 @@ class CausePolicy:
         ladder's later rungs, then every rollback's own remedies. Returns (the class with what they add to its
         evidence, the changes, the modules started afresh)."""
         changes = list(self.remedies.restored(io, payload.tags, cls=c, incident=incident).changes)
+        changes += self.remedies.enforce(io)  # what the restore put back, in either runner family
         names = self._dynamics() if c.cause in (Cause.DYNAMICS, Cause.UNKNOWN) else None
         if names is None or names:
             ctx = self.remedies.context(io, When.AFTER_RESTORE, cls=c, incident=incident, history=self.history)
@@ -359,7 +387,7 @@ class CausePolicy:
         rung = self.ladder[self.rung - 1].remedies if 1 <= self.rung <= len(self.ladder) else ()
         on_ladder = {n for r in self.ladder for n in r.remedies}
         return rung + tuple(n for n, r in self.remedies.by_name.items()
-                            if Cause.DYNAMICS in r.causes and n not in on_ladder and When.RESTORE not in r.events)
+                            if Cause.DYNAMICS in r.causes and n not in on_ladder and not r.restore)
 
     def _climb(self, ctx: Any) -> Tuple[Classification, Optional[Tuple[str, ...]]]:
         """The next rung for a dynamics incident: (the class, the remedies to fire; structural past the last)."""

@@ -10,6 +10,8 @@ incident. A user's package registers its own with :func:`~.registry.register_rem
 """
 import copy
 import enum
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -17,7 +19,7 @@ from ..causes import Cause, Classification
 from ..port import Change
 from ..validate import Setting
 
-__all__ = ["When", "Change", "Outcome", "ConfigEntry", "Context", "Remedy", "Setting"]
+__all__ = ["When", "Change", "Target", "Outcome", "ConfigEntry", "Context", "Remedy", "Setting"]
 
 
 class When(str, enum.Enum):
@@ -29,12 +31,38 @@ class When(str, enum.Enum):
     SKIPPED = "skipped step"  #: a step went wrong without diverging, and evidence names samples of its batch
     STALLED = "stalled"  #: a static loss scale skipped step after step
     BEFORE_RESTORE = "before restore"  #: a divergence, with the failing step at hand (its batch, its gradients)
-    RESTORE = "restore"  #: whether the incident rolls back (a remedy matching it is the rollback's switch)
     RESTORED = "restored"  #: a restore put back a state whose tags differ from the live ones: bring back what it undid
     AFTER_RESTORE = "after restore"  #: what a restore puts back must be changed after it
     AFTER_ROLLBACK = "after rollback"  #: after every rollback (and before a replay on healthy weights), any class
     HANDLED = "incident handled"  #: an incident was handled (recovered, or a stalled scale made dynamic)
     SPENT = "budget spent"  #: the recovery budget is spent on this class: name what the run stops on
+
+
+@dataclass(frozen=True)
+class Target:
+    """A value a remedy puts in force in every optimizer param group, declared instead of set in place: the
+    framework applies it, and applies it again after every rollback, on resume and in the next run (``carry=``), in
+    every runner family; it never applies it twice (docs/remedies.md, "Declared targets").
+
+    Attributes:
+        key: the param group's key (``'weight_decay'``, ``'momentum'``), or an element of a tuple one
+            (``'betas[1]'``). A group without it is left alone.
+        value: the value to set, or with ``relative`` the factor of the configured value.
+        relative: ``value`` times the configured value: the group's value when the remedy first declared the key in
+            this run (or, in a run the patched config started, at its start), saved with the guard's state so that a
+            resumed run multiplies the same value again. Defaults to False.
+    """
+
+    key: str
+    value: float
+    relative: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not re.fullmatch(r"[A-Za-z_]\w*(\[\d+\])?", self.key):
+            raise ValueError(f"Target.key must be a param group's key, or 'key[i]' for a tuple's element, got "
+                             f"{self.key!r}")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
+            raise ValueError(f"Target.value must be a finite number, got {self.value!r}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +75,9 @@ class Outcome:
         signals: merged into the class's signals (JSON-ready). Defaults to {}.
         cause: the class becomes this one (e.g. structural: the class's remedies are spent). Defaults to None.
         exclude: at :attr:`When.ATTACH`, a container of dataset indices the loader must never serve. Defaults to None.
+        targets: values it puts in force from now on (:class:`Target`): the framework applies them (their changes
+            join :attr:`changes`) and keeps them in force. A key declared again replaces the earlier target.
+            Defaults to ().
     """
 
     changes: Tuple[Change, ...] = ()
@@ -54,6 +85,7 @@ class Outcome:
     signals: Mapping[str, Any] = field(default_factory=dict)
     cause: Optional[Cause] = None
     exclude: Any = None
+    targets: Tuple[Target, ...] = ()
 
     @classmethod
     def of(cls, result: Union["Outcome", Sequence[Change], None]) -> "Outcome":
@@ -133,6 +165,8 @@ class Remedy:
             on, such a class counts as unserved). Defaults to ().
         events: the events it takes; it is called for no other.
         switch: ``'remedies'`` (on when ``remedies=`` names it) or the name of the bool setting that switches it.
+        restore: it is the rollback's switch: an incident of a class it serves rolls back while it is on. It takes no
+            event for that (the chain asks; it is never called). Defaults to False.
         settings: its settings (the hook's arguments it adds), validated and documented here.
         state: the attributes saved in checkpoints by the registry's one generic pass (their values at construction
             are the defaults an old checkpoint without them loads).
@@ -153,6 +187,7 @@ class Remedy:
     assists: Tuple[Cause, ...] = ()
     events: Tuple[When, ...] = ()
     switch: str = "remedies"
+    restore: bool = False
     settings: Tuple[Setting, ...] = ()
     state: Tuple[str, ...] = ()
     section: Optional[str] = None
