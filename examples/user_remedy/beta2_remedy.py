@@ -5,7 +5,7 @@ logbook did by hand (docs/remedies.md walks through it). An absolute target: the
 ``NanGuardHook(remedies=[dict(type='beta2')])`` switches it on, beside the defaults. Nothing in petr_stability changes.
 """
 from petr_stability.core.causes import Cause
-from petr_stability.core.remedies import Context, Outcome, Remedy, Setting, Target, When, register_remedy
+from petr_stability.core.remedies import Incident, Outcome, Remedy, Run, Setting, Target, register_remedy
 from petr_stability.core.validate import is_number
 
 __all__ = ["Beta2Backoff"]
@@ -19,12 +19,12 @@ class Beta2Backoff(Remedy):
     name = "beta2"  # its remedies= name
     label = "Adam beta2 to {beta2_target:g}"  # how the cause table's action (and the ladder's text) names it
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)  # the classes it serves
-    events = (When.AFTER_RESTORE,)  # after the rollback: the target is declared once the restore point is back
     settings = (Setting("beta2_target", 0.95, is_number(0.0, 1.0), "the beta2 a dynamics incident sets (Adam's "
                         "default 0.999 remembers a gradient spike for ~1000 steps; 0.95 for ~20)."),)
 
-    def apply(self, ctx: Context) -> Outcome:
-        # Declared, not set: the guard applies it to every group that has betas, keeps it in force after every
-        # rollback, on resume and in the next run.
+    def after_restore(self, run: Run, incident: Incident) -> Outcome:
+        # Called once per incident of a class it serves, after the rollback. The target is declared, not set: the
+        # guard applies it to every group that has betas, and keeps it in force after every later rollback, on
+        # resume and in the next run.
         target = self.config.beta2_target
         return Outcome(targets=(Target("betas[1]", target),), evidence=f"; Adam beta2 {target:g}")

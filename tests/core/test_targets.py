@@ -34,11 +34,12 @@ class Decay(Remedy):
 
 
 class OnlyDynamics(Remedy):
+    """The typed protocol: its events are the methods it overrides."""
+
     name = "only_dyn"
     causes = (Cause.DYNAMICS,)
-    events = (When.AFTER_RESTORE,)
 
-    def apply(self, ctx):
+    def after_restore(self, run, incident):
         return Outcome(targets=(Target("momentum", 0.5),))
 
 
@@ -136,9 +137,51 @@ def test_a_remedy_s_targets_act_once_per_incident_survive_resume_and_rollback_an
 
 
 def test_a_remedy_declaring_dynamics_alone_is_not_called_for_an_unknown_incident_even_on_a_rung(registered):
+    assert OnlyDynamics.events == (When.AFTER_RESTORE,)  # read from the method it overrides
     config = GuardConfig(remedies=[dict(type="only_dyn")], ladder=[["clip", "dropout", "only_dyn"], ["lr"]])
     remedies = Remedies(config)
     io = _io()
     for cause, called in ((Cause.UNKNOWN, []), (Cause.DYNAMICS, ["only_dyn"])):
         ctx = remedies.context(io, When.AFTER_RESTORE, cls=Classification(cause, ""))
         assert [r.name for r in remedies.takers(When.AFTER_RESTORE, ctx, ["only_dyn"])] == called
+
+
+def test_the_typed_protocol_gives_each_event_s_method_what_is_valid_there_and_refuses_events_that_disagree():
+    seen = []
+
+    class Typed(Remedy):
+        name = "typed_t"
+        causes = (Cause.DATA,)
+
+        def on_healthy(self, run, step):
+            seen.append(("healthy", step.iteration, step.spikes))
+
+        def on_restored(self, run, incident, restored):
+            seen.append(("restored", incident.number, incident.cls.cause, dict(restored)))
+
+        def on_spent(self, run, incident):
+            seen.append(("spent", incident.samples))
+
+    register_remedy(Typed)
+    try:
+        assert Typed.events == (When.HEALTHY, When.RESTORED, When.SPENT)
+        remedies, io = Remedies(GuardConfig(remedies=[dict(type="typed_t")])), _io()
+        for event, fields in ((When.HEALTHY, dict(iteration=7, extra={"spikes": "monitor"})),
+                              (When.RESTORED, dict(incident=2, cls=Classification(Cause.DATA, ""), restored={"a": 1})),
+                              (When.SPENT, dict(samples=[{"index": 3}], cls=Classification(Cause.DATA, "")))):
+            remedies.fire(event, remedies.context(io, event, **fields))
+        assert seen == [("healthy", 7, "monitor"), ("restored", 2, Cause.DATA, {"a": 1}), ("spent", ({"index": 3},))]
+    finally:
+        REMEDY_TYPES.pop("typed_t", None)
+
+    class Disagrees(Remedy):
+        name = "disagrees_t"
+        events = (When.START,)
+
+        def after_rollback(self, run):
+            return None
+
+    with pytest.raises(TypeError, match=r"Disagrees.events \['start'\] differ from the events whose method it "
+                                        r"overrides \['after rollback'\]"):
+        register_remedy(Disagrees)
+    assert "disagrees_t" not in REMEDY_TYPES

@@ -80,7 +80,8 @@ class Remedies:
         signals: Dict[str, Any] = {}
         evidence, cause, exclude = "", None, []
         for r in self.takers(event, ctx, names):
-            out = Outcome.of(r.apply(ctx))
+            method, arguments = r.handler(ctx)
+            out = Outcome.of(method(*arguments))
             if out.targets:
                 out = replace(out, changes=tuple(out.changes) + tuple(self.targets.declare(r.name, out.targets,
                                                                                             ctx.io)))

@@ -13,13 +13,14 @@ import enum
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..causes import Cause, Classification
 from ..port import Change
 from ..validate import Setting
 
-__all__ = ["When", "Change", "Target", "Outcome", "ConfigEntry", "Context", "Remedy", "Setting"]
+__all__ = ["When", "Change", "Target", "Outcome", "ConfigEntry", "Context", "Run", "Incident", "Step", "HANDLERS",
+           "Remedy", "Setting"]
 
 
 class When(str, enum.Enum):
@@ -153,6 +154,67 @@ class Context:
     peers: Mapping[str, "Remedy"] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Run:
+    """What every event gives a remedy: the run it acts in.
+
+    Attributes:
+        io: the runner adapter (:class:`~..port.GuardIO`: the model, the optimizers, the clip, the log).
+        config: the guard's settings (its own among them, by name).
+        peers: the run's remedies by name, for one that follows another's setting. Defaults to {}.
+    """
+
+    io: Any
+    config: Any
+    peers: Mapping[str, "Remedy"] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Incident:
+    """What the incident events give a remedy (:attr:`When.SKIPPED`, :attr:`When.STALLED`,
+    :attr:`When.BEFORE_RESTORE`, :attr:`When.RESTORED`, :attr:`When.AFTER_RESTORE`, :attr:`When.SPENT`).
+
+    Attributes:
+        cls: the agreed class of the incident (None for a stalled scale, which has none).
+        number: this recovery's 1-based number (the clip schedule's index; 0 outside a divergence).
+        iteration: the iteration it happened at.
+        samples: the samples evidence names, each a dict (``index``, ids, ``rank``): at skipped step, before restore
+            and budget spent; () elsewhere.
+        epoch: the pass over the data the iteration belongs to.
+        history: the run's :class:`~..diagnosis.classify.CauseHistory` (None at stalled).
+    """
+
+    cls: Optional[Classification]
+    number: int = 0
+    iteration: int = 0
+    samples: Sequence[Mapping[str, Any]] = ()
+    epoch: int = 0
+    history: Any = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """What :attr:`When.HEALTHY` gives a remedy: the healthy step.
+
+    Attributes:
+        iteration: its number (1-based, as logged).
+        spikes: the run's grad-norm monitor (:class:`~..watch.spikes.SpikeMonitor`: its window's mean and spread).
+    """
+
+    iteration: int
+    spikes: Any = None
+
+
+#: Each event's method (:class:`Remedy`), in the order of a run (docs/remedies.md, "The events").
+HANDLERS: Mapping[When, str] = {
+    When.START: "on_start", When.ATTACH: "on_attach", When.HEALTHY: "on_healthy", When.SKIPPED: "on_skipped",
+    When.STALLED: "on_stalled", When.BEFORE_RESTORE: "before_restore", When.RESTORED: "on_restored",
+    When.AFTER_RESTORE: "after_restore", When.AFTER_ROLLBACK: "after_rollback", When.HANDLED: "on_handled",
+    When.SPENT: "on_spent"}
+
+_Result = Union[Outcome, List[Change], None]
+
+
 class Remedy:
     """One remedy. Subclasses set the class attributes and override what they do.
 
@@ -224,9 +286,68 @@ class Remedy:
         of the chain, its rung climbed again instead of the next. Defaults to False."""
         return False
 
-    def apply(self, ctx: Context) -> Union[Outcome, List[Change], None]:
-        """Acts at ``ctx.event``; returns what it changed (an :class:`Outcome`, or just a list of changes)."""
-        return None
+    def apply(self, ctx: Context) -> _Result:
+        """Acts at ``ctx.event``: calls that event's method (:data:`HANDLERS`) with what is valid there. Returns what
+        it changed (an :class:`Outcome`, or just a list of changes). A remedy overrides the event's method, not this
+        (an older remedy that overrides this one method keeps working)."""
+        method, arguments = self._typed(ctx)
+        return method(*arguments)
+
+    def handler(self, ctx: Context) -> Tuple[Callable[..., _Result], Tuple[Any, ...]]:
+        """The method ``ctx.event`` calls and its arguments: :meth:`apply` where the remedy overrides it, else the
+        event's own method (the policy calls it: one method per event, no dispatch inside the remedy)."""
+        if type(self).apply is not Remedy.apply:
+            return self.apply, (ctx,)
+        return self._typed(ctx)
+
+    def _typed(self, ctx: Context) -> Tuple[Callable[..., _Result], Tuple[Any, ...]]:
+        run = Run(ctx.io, ctx.config, ctx.peers)
+        method = getattr(self, HANDLERS[ctx.event])
+        if ctx.event == When.HEALTHY:
+            return method, (run, Step(ctx.iteration, ctx.extra.get("spikes")))
+        if ctx.event in (When.START, When.ATTACH, When.AFTER_ROLLBACK, When.HANDLED):
+            return method, (run,)
+        incident = Incident(ctx.cls, ctx.incident, ctx.iteration, tuple(ctx.samples), ctx.epoch, ctx.history)
+        return method, ((run, incident, dict(ctx.restored)) if ctx.event == When.RESTORED else (run, incident))
+
+    # ------------------------------------------------------------------ one method per event, in the order of a run
+    def on_start(self, run: Run) -> _Result:
+        """Before the first iteration, after a resume loaded its state: re-apply what it had put in force."""
+
+    def on_attach(self, run: Run) -> _Result:
+        """The training loader exists: ``Outcome(exclude=...)``, the dataset indices it must never serve."""
+
+    def on_healthy(self, run: Run, step: Step) -> _Result:
+        """Every healthy optimizer step (host numbers only: it runs on the hot path)."""
+
+    def on_skipped(self, run: Run, incident: Incident) -> _Result:
+        """A step went wrong without diverging (a skipped step, a refused batch), and evidence names samples of its
+        batch (``incident.samples``)."""
+
+    def on_stalled(self, run: Run, incident: Incident) -> _Result:
+        """A static loss scale skipped step after step (``incident.cls`` is None)."""
+
+    def before_restore(self, run: Run, incident: Incident) -> _Result:
+        """A divergence of a class it serves, the failing step at hand (its batch, its gradients), before the
+        rollback: what must be read from the failing state (the clip, the dropouts, which tensors exploded)."""
+
+    def on_restored(self, run: Run, incident: Incident, restored: Mapping[str, Any]) -> _Result:
+        """A restore put back a point whose :attr:`tags` (``restored``: its own, by attribute) differ from the live
+        ones: bring back what the restore undid."""
+
+    def after_restore(self, run: Run, incident: Incident) -> _Result:
+        """A divergence of a class it serves, after the rollback: what the restore point's state must not undo (a
+        :class:`Target` declared here is kept in force by the guard)."""
+
+    def after_rollback(self, run: Run) -> _Result:
+        """After every rollback, any class (and before a replay on healthy weights): start afresh what the restore
+        does not hold (a temporal memory)."""
+
+    def on_handled(self, run: Run) -> _Result:
+        """An incident was handled (recovered, or a stalled scale made dynamic)."""
+
+    def on_spent(self, run: Run, incident: Incident) -> _Result:
+        """The recovery budget is spent on ``incident.cls``: ``Outcome(evidence=...)`` names what the run stops on."""
 
     def summary(self, io: Any) -> Dict[str, Any]:
         """Its part of the guard's summary (JSON-ready) once it acted. Defaults to its :attr:`state` values."""

@@ -5,7 +5,7 @@ from ...configfix.patch import KNOWN_MANUAL_FIX
 from ..causes import Cause
 from ..port import ClipSetting
 from ..validate import Setting, check_list, check_number, is_number
-from .base import Change, ConfigEntry, Context, Remedy, When
+from .base import Change, ConfigEntry, Context, Incident, Remedy, Run
 
 __all__ = ["tighten_clip", "ClipRemedy"]
 
@@ -36,7 +36,6 @@ class ClipRemedy(Remedy):
     name = "clip"
     label = KNOWN_MANUAL_FIX.format(max_norm=1)
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
-    events = (When.START, When.BEFORE_RESTORE)
     settings = (
         Setting("max_norm", 1.0, is_number(), "target of the clip remedy, ``max_norm = min(current, target)``: the "
                 "known manual fix's 1."),
@@ -67,24 +66,22 @@ class ClipRemedy(Remedy):
         target = self.target(ctx.incident)
         return all(c.max_norm is not None and c.max_norm <= target for c in ctx.io.clip_settings() if c.kind == "norm")
 
-    def apply(self, ctx: Context) -> List[Change]:
-        if ctx.event == When.START:
-            return self._resume(ctx.io)
+    def before_restore(self, run: Run, incident: Incident) -> List[Change]:
         changes: List[Change] = []
-        target = self.target(ctx.incident)
-        for clip in ctx.io.clip_settings():
+        target = self.target(incident.number)
+        for clip in run.io.clip_settings():
             change = clip.tighten(target)
             if change:
                 changes.append(change)
             if clip.kind == "norm":
                 self.clip[clip.name] = clip.max_norm
             elif clip.kind == "value":
-                ctx.io.log(f"NanGuard: {clip.name} clips by value ({clip.kwargs}); the max_norm remedy does not "
+                run.io.log(f"NanGuard: {clip.name} clips by value ({clip.kwargs}); the max_norm remedy does not "
                            "apply", "warning")
         return changes
 
-    def _resume(self, io: Any) -> List[Change]:
-        changes = []
+    def on_start(self, run: Run) -> List[Change]:
+        io, changes = run.io, []
         for clip in io.clip_settings():
             if clip.name in self.clip:
                 change = clip.tighten(self.clip[clip.name])

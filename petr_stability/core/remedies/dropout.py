@@ -5,7 +5,7 @@ from torch import nn
 
 from ..causes import Cause
 from ..validate import Setting, is_choice, is_names
-from .base import Change, ConfigEntry, Context, Remedy, When
+from .base import Change, ConfigEntry, Context, Incident, Remedy, Run, When
 
 __all__ = ["TRANSFORMER_CLASSES", "DROPOUT_FLOAT_ATTRS", "zero_transformer_dropout", "DropoutRemedy"]
 
@@ -102,7 +102,6 @@ class DropoutRemedy(Remedy):
     name = "dropout"
     label = "transformer dropout 0"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
-    events = (When.START, When.BEFORE_RESTORE)
     settings = (
         Setting("dropout_scope", "transformer", is_choice("transformer", "all"), "``'transformer'`` (the detection "
                 "head's transformer: every descendant of the classes in ``TRANSFORMER_CLASSES``) or ``'all'``."),
@@ -126,10 +125,14 @@ class DropoutRemedy(Remedy):
     def match(self, ctx: Context) -> bool:
         return ctx.event != When.START or self.dropout_zeroed
 
-    def apply(self, ctx: Context) -> List[Change]:
-        changes = zero_transformer_dropout(ctx.io.model(), self.config.dropout_scope, self.config.dropout_exclude)
-        if ctx.event == When.START and changes:
-            ctx.io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
+    def on_start(self, run: Run) -> List[Change]:
+        changes = self.before_restore(run, Incident(None))
+        if changes:
+            run.io.log(f"NanGuard: resumed remedy: {len(changes)} transformer dropout(s) set to 0")
+        return changes
+
+    def before_restore(self, run: Run, incident: Incident) -> List[Change]:
+        changes = zero_transformer_dropout(run.io.model(), self.config.dropout_scope, self.config.dropout_exclude)
         self.dropout_zeroed = True
         self.zeroed += [c.target for c in changes if c.target not in self.zeroed]
         return changes

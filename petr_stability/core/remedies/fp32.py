@@ -7,7 +7,7 @@ from torch import nn
 from ..causes import Cause
 from ..flags import autocast_off
 from ..validate import Setting, is_names
-from .base import Change, ConfigEntry, Context, Outcome, Remedy, When
+from .base import Change, ConfigEntry, Context, Incident, Outcome, Remedy, Run, When
 
 __all__ = ["force_fp32", "release_fp32", "is_fp32", "fp32_modules", "apply_fp32", "Fp32Remedy"]
 
@@ -126,7 +126,6 @@ class Fp32Remedy(Remedy):
     name = "fp32"
     label = "module in fp32"
     causes = (Cause.FORWARD_OVERFLOW,)
-    events = (When.START, When.BEFORE_RESTORE)
     settings = (Setting("fp32_modules", (), is_names, "modules (names as ``model.named_modules()`` gives them) run "
                         "in fp32 from the start: what an earlier run's forward-overflow remedy learnt, as its patched "
                         "config carries it.", start=True),)
@@ -141,17 +140,16 @@ class Fp32Remedy(Remedy):
     def match(self, ctx: Context) -> bool:
         return ctx.event != When.START or bool(self.fp32 or self.config.fp32_modules)
 
-    def apply(self, ctx: Context) -> Outcome:
-        if ctx.event == When.START:
-            return Outcome(tuple(self._resume(ctx.io)))
-        modules = list(ctx.cls.modules)
+    def before_restore(self, run: Run, incident: Incident) -> Outcome:
+        modules = list(incident.cls.modules)
         if all(m in self.fp32 for m in modules):
             return Outcome(evidence="; the module already runs in fp32", cause=Cause.STRUCTURAL)
-        changes = apply_fp32(ctx.io.model(), modules)
+        changes = apply_fp32(run.io.model(), modules)
         self.fp32.extend(m for m in modules if m not in self.fp32)
         return Outcome(tuple(changes))
 
-    def _resume(self, io: Any) -> List[Change]:
+    def on_start(self, run: Run) -> List[Change]:
+        io = run.io
         changes = apply_fp32(io.model(), self.fp32)
         for change in changes:
             io.log(f"NanGuard: resumed remedy: {change.target} runs in fp32")

@@ -4,7 +4,7 @@ from typing import Any, Dict, Iterable, List, Mapping
 
 from ..causes import Cause
 from ..validate import Setting, is_bool, is_int, is_number
-from .base import Change, ConfigEntry, Context, Remedy, When
+from .base import Change, ConfigEntry, Context, Incident, Remedy, Run, Step, When
 
 __all__ = ["scale_lr", "LrBackoff"]
 
@@ -106,7 +106,6 @@ class LrBackoff(Remedy):
     label = "learning rate x {lr_backoff:g} (schedules too)"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
     assists = (Cause.FORWARD_OVERFLOW,)
-    events = (When.AFTER_RESTORE, When.RESTORED, When.HEALTHY)
     settings = (Setting("lr_backoff", 0.125, is_number(0.0, 1.0), "learning-rate factor of the dynamics ladder's "
                         "learning-rate rung (every param group and schedule). Tuned on the model zoo's seeds 0-9: a "
                         "rate 5-8x too high trains to its reference's quality at 0.125, not at 0.5 (docs/zoo.md)."),
@@ -150,35 +149,34 @@ class LrBackoff(Remedy):
     def can_repeat(self, ctx: Context) -> bool:
         return self.lr_factor * self.config.lr_backoff >= self.config.lr_min_factor * (1 - 1e-9)
 
-    def apply(self, ctx: Context) -> List[Change]:
-        if ctx.event == When.RESTORED:
-            # The restored optimizer and schedules predate a backoff: bring them back to the run's factor.
-            then = float(ctx.restored.get("lr_factor", 1.0))
-            return scale_lr(ctx.io.optimizers(), self.lr_factor / then, ctx.io.restored_lr_schedulers())
-        if ctx.event == When.HEALTHY:
-            return self._rewarm(ctx)
-        factor = self.config.overflow_lr_backoff if ctx.cls is not None and (
-            ctx.cls.cause == Cause.FORWARD_OVERFLOW) else self.config.lr_backoff
+    def on_restored(self, run: Run, incident: Incident, restored: Mapping[str, Any]) -> List[Change]:
+        # The restored optimizer and schedules predate a backoff: bring them back to the run's factor.
+        then = float(restored.get("lr_factor", 1.0))
+        return scale_lr(run.io.optimizers(), self.lr_factor / then, run.io.restored_lr_schedulers())
+
+    def after_restore(self, run: Run, incident: Incident) -> List[Change]:
+        factor = self.config.overflow_lr_backoff if incident.cls is not None and (
+            incident.cls.cause == Cause.FORWARD_OVERFLOW) else self.config.lr_backoff
         self.lr_factor *= factor
         # A backoff after a re-warm: that re-warm came too soon, the next one waits twice as long.
         self.lr_rewarm_wait = self.lr_rewarm_wait * 2 if self.lr_rewarms else self.config.lr_rewarm
         self.lr_healthy_run, self.lr_last_healthy = 0, -1
-        return scale_lr(ctx.io.optimizers(), factor, ctx.io.lr_schedulers())
+        return scale_lr(run.io.optimizers(), factor, run.io.lr_schedulers())
 
-    def _rewarm(self, ctx: Context) -> List[Change]:
-        if ctx.iteration <= self.lr_last_healthy:  # the iteration went back: a rollback, stability counts afresh
+    def on_healthy(self, run: Run, step: Step) -> List[Change]:
+        if step.iteration <= self.lr_last_healthy:  # the iteration went back: a rollback, stability counts afresh
             self.lr_healthy_run = 0
-        self.lr_last_healthy = ctx.iteration
+        self.lr_last_healthy = step.iteration
         self.lr_healthy_run += 1
         wait = self.lr_rewarm_wait or self.config.lr_rewarm  # a factor carried in from a patched config set no wait
         if self.lr_healthy_run < wait:
             return []
         raised = self.lr_factor / self.config.lr_backoff
         old, self.lr_factor = self.lr_factor, 1.0 if raised > 1.0 - 1e-9 else raised  # 0.3 * 0.3 / 0.3 / 0.3 is 1
-        self.lr_rewarms.append({"iteration": ctx.iteration, "from": old, "to": self.lr_factor})
+        self.lr_rewarms.append({"iteration": step.iteration, "from": old, "to": self.lr_factor})
         self.lr_healthy_run = 0
-        changes = scale_lr(ctx.io.optimizers(), self.lr_factor / old, ctx.io.lr_schedulers())
-        ctx.io.log(f"NanGuard: learning rate re-warmed after {wait} healthy iterations (lr_rewarm): factor {old:g} -> "
+        changes = scale_lr(run.io.optimizers(), self.lr_factor / old, run.io.lr_schedulers())
+        run.io.log(f"NanGuard: learning rate re-warmed after {wait} healthy iterations (lr_rewarm): factor {old:g} -> "
                    f"{self.lr_factor:g} (schedules too)")
         return changes
 

@@ -9,7 +9,7 @@ from torch import nn
 from ..causes import Cause
 from ..flags import HAS_FOREACH_NORM
 from ..validate import Setting, is_number
-from .base import Change, Context, Remedy, When
+from .base import Change, Incident, Remedy, Run
 
 __all__ = ["reset_moments", "exploded_params", "MomentsReset"]
 
@@ -94,7 +94,6 @@ class MomentsReset(Remedy):
     name = "moments"
     label = "optimizer moments reset"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
-    events = (When.BEFORE_RESTORE, When.AFTER_RESTORE)
     settings = (Setting("exploded_ratio", 100.0, is_number(1.0), "on the ladder's third rung, tensors whose "
                         "gradient norm is this many times the median have their optimizer moments reset."),)
 
@@ -102,15 +101,15 @@ class MomentsReset(Remedy):
         super().__init__(config)
         self.exploded: List[str] = []
 
-    def apply(self, ctx: Context) -> List[Change]:
-        if ctx.event == When.BEFORE_RESTORE:
-            # Named now, while the failing step's gradients are still there (MMCV 1.x keeps them; where the runner
-            # already zeroed them, every tensor's moments are reset).
-            self.exploded = exploded_params(ctx.io.model(), self.config.exploded_ratio)
-            return []
-        params = dict(ctx.io.model().named_parameters())
+    def before_restore(self, run: Run, incident: Incident) -> None:
+        # Named now, while the failing step's gradients are still there (MMCV 1.x keeps them; where the runner
+        # already zeroed them, every tensor's moments are reset).
+        self.exploded = exploded_params(run.io.model(), self.config.exploded_ratio)
+
+    def after_restore(self, run: Run, incident: Incident) -> List[Change]:
+        params = dict(run.io.model().named_parameters())
         names = self.exploded or list(params)
         changes: List[Change] = []
-        for opt in ctx.io.optimizers():
+        for opt in run.io.optimizers():
             changes += reset_moments(opt, [(n, params[n]) for n in names if n in params])
         return changes

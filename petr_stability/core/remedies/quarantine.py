@@ -13,7 +13,7 @@ from ..samples import key as _key
 from ..samples import resolve_indices
 from ..validate import Setting, check_indices, check_list, check_number, is_bool
 from ..wrappers import describe, identity, indices_serving, resolve, sample_of, wraps
-from .base import Change, ConfigEntry, Context, Outcome, Remedy, When
+from .base import Change, ConfigEntry, Incident, Outcome, Remedy, Run
 
 __all__ = ["SkipList", "QuarantineSampler", "Quarantine", "short_samples", "bad_data_advice"]
 
@@ -319,7 +319,6 @@ class Quarantine(Remedy):
     name = "quarantine"
     label = "quarantine"
     causes = (Cause.DATA,)
-    events = (When.ATTACH, When.BEFORE_RESTORE, When.SKIPPED, When.SPENT)
     settings = (
         Setting("quarantine_fraction", 0.001, _fraction, "at most this fraction of the dataset's "
                 "samples is quarantined as bad data (at least one); a batch past it is refused and skipped, and "
@@ -351,16 +350,19 @@ class Quarantine(Remedy):
         #: The live skip list the training loader's sampler honours (from :attr:`When.ATTACH` on).
         self.skip_list: Optional[SkipList] = None
 
-    def apply(self, ctx: Context) -> Outcome:
-        if ctx.event == When.ATTACH:
-            return Outcome(exclude=self._attach(ctx.io))
-        if ctx.event == When.SPENT:
-            return Outcome(signals={"bad_data": self.spent(ctx.io.dataset(), ctx.samples)})
-        if ctx.event == When.SKIPPED:
-            return self._recurring(ctx)
+    def on_attach(self, run: Run) -> Outcome:
+        return Outcome(exclude=self._attach(run.io))
+
+    def on_skipped(self, run: Run, incident: Incident) -> Outcome:
+        return self._recurring(run.io, incident)
+
+    def before_restore(self, run: Run, incident: Incident) -> Outcome:
         if self.skip_list is None:
             return Outcome(evidence="; no training loader to quarantine through: nothing quarantined")
-        return self._incident(ctx)
+        return self._incident(run.io, incident)
+
+    def on_spent(self, run: Run, incident: Incident) -> Outcome:
+        return Outcome(signals={"bad_data": self.spent(run.io.dataset(), incident.samples)})
 
     def _attach(self, io: Any) -> SkipList:
         """The quarantine the training loader's sampler honours, sized for its dataset: a resumed run's quarantine and
@@ -434,11 +436,11 @@ class Quarantine(Remedy):
         return list(known) + (self.skip_list.indices_of(key) if self.skip_list is not None else [])
 
     # ------------------------------------------------------------------ a data incident
-    def _incident(self, ctx: Context) -> Outcome:
-        found = self.identify(ctx.io.dataset(), ctx.samples) if ctx.samples else []
+    def _incident(self, io: Any, incident: Incident) -> Outcome:
+        found = self.identify(io.dataset(), incident.samples) if incident.samples else []
         if not found:
             # Nothing to name: the batch goes by; hyperparameters were never the problem.
-            return Outcome(evidence=f"; no sample is named by evidence of its own ({self._unnamed(ctx.samples)}): "
+            return Outcome(evidence=f"; no sample is named by evidence of its own ({self._unnamed(incident.samples)}): "
                                     "nothing quarantined")
         back = [named for key, _, named in found if key in self.refused_samples]
         if back:
@@ -446,7 +448,7 @@ class Quarantine(Remedy):
                                     f"{self.skip_list.capacity} sample(s) before, broke the run again: a data "
                                     "problem, not a bug", signals={"bad_data": self.bad_samples(found)})
         before = self.skip_list.samples
-        taken, refused = self._take_all(found, {"iteration": ctx.iteration})
+        taken, refused = self._take_all(found, {"iteration": incident.iteration})
         signals: Dict[str, Any] = {"quarantined": taken, "stored": self._stored(found, taken)} if taken else {}
         evidence = ""
         if refused:
@@ -530,11 +532,11 @@ class Quarantine(Remedy):
             self.sightings.pop(next(iter(self.sightings)))
         return recurring
 
-    def _recurring(self, ctx: Context) -> Outcome:
+    def _recurring(self, io: Any, incident: Incident) -> Outcome:
         """Samples evidence named at a skipped step: those named twice are quarantined (within the bound); a sample
         the bound refused before among them stops the run (``bad_data``)."""
-        found = {key: (indices, sample) for key, indices, sample in self.identify(ctx.io.dataset(), ctx.samples)}
-        recurring = self.sighted(found, ctx.epoch)
+        found = {key: (indices, sample) for key, indices, sample in self.identify(io.dataset(), incident.samples)}
+        recurring = self.sighted(found, incident.epoch)
         if not recurring:
             return Outcome()
         epochs = sorted({e for k in recurring for e, _ in self.sightings.get(k, [])})
@@ -550,14 +552,14 @@ class Quarantine(Remedy):
                                     f"{self.config.quarantine_fraction}), broke the run again",
                            signals={"bad_data": self.bad_samples(chosen)})
         before = self.skip_list.samples
-        taken, refused = self._take_all(chosen, {"iteration": ctx.iteration, "recurring": True})
+        taken, refused = self._take_all(chosen, {"iteration": incident.iteration, "recurring": True})
         reason = (f"made steps go wrong in epochs {epochs}" if len(epochs) > 1 else
                   f"made steps go wrong twice in epoch {epochs[0]}, under dataset indices "
                   f"{sorted({i for k in recurring for _, i in self.sightings.get(k, [])})}")
         if refused:
             reason += (f"; {short_samples(refused)} refused by the quarantine's bound of {self.skip_list.capacity} "
                        "sample(s) (quarantine_fraction): not quarantined")
-        ctx.io.log(f"NanGuard: sample(s) {short_samples(taken + refused)} {reason}"
+        io.log(f"NanGuard: sample(s) {short_samples(taken + refused)} {reason}"
                    + ("; quarantined for the rest of the run" if taken else ""), "warning")
         changes = (Change("quarantine.samples", before, self.skip_list.samples),) if taken else ()
         signals: Dict[str, Any] = {"recurring": taken + refused, "reason": reason, "quarantined": taken,

@@ -9,7 +9,7 @@ from typing import Dict, Optional, Sequence, Tuple, Type
 
 from ..causes import Cause
 from .adaptive_clip import AdaptiveClip
-from .base import Remedy, When
+from .base import HANDLERS, Remedy, When
 from .clip import ClipRemedy
 from .dropout import DropoutRemedy
 from .fp32 import Fp32Remedy
@@ -45,6 +45,12 @@ def register_remedy(cls: Type[Remedy]) -> Type[Remedy]:
     for event in cls.events:
         if not isinstance(event, When):
             raise TypeError(f"{cls.__name__}.events must hold When members, got {event!r}")
+    if cls.apply is Remedy.apply:  # the typed protocol: the events are the methods it overrides
+        handled = tuple(e for e in When if getattr(cls, HANDLERS[e]) is not getattr(Remedy, HANDLERS[e]))
+        if handled and cls.events and set(cls.events) != set(handled):
+            raise TypeError(f"{cls.__name__}.events {[e.value for e in cls.events]} differ from the events whose "
+                            f"method it overrides {[e.value for e in handled]}; leave events out")
+        cls.events = handled or cls.events
     others = [r for r in REMEDY_TYPES.values() if r.name != cls.name]
     taken = {(r.section, k) for r in others for k in r.state}
     clash = [k for k in cls.state if (cls.section, k) in taken]

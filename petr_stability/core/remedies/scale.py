@@ -1,7 +1,7 @@
 """The scale remedy: a static loss scale that stalled training (every step skipped) becomes dynamic."""
 from typing import Any, List
 
-from .base import Change, ConfigEntry, Context, Remedy, When
+from .base import Change, ConfigEntry, Context, Incident, Remedy, Run, When
 
 __all__ = ["ScaleDynamic"]
 
@@ -12,7 +12,6 @@ class ScaleDynamic(Remedy):
 
     name = "scale"
     label = "dynamic loss scale"
-    events = (When.START, When.STALLED)
     state = ("scale_made_dynamic",)
     section = ""
     idle = {"scale_made_dynamic": False}
@@ -24,11 +23,11 @@ class ScaleDynamic(Remedy):
     def match(self, ctx: Context) -> bool:
         return ctx.event == When.STALLED or self.scale_made_dynamic
 
-    def apply(self, ctx: Context) -> List[Change]:
-        if ctx.event == When.START:
-            ctx.io.restore_scale_mode()
-            return []
-        change = ctx.io.make_scale_dynamic()
+    def on_start(self, run: Run) -> None:
+        run.io.restore_scale_mode()
+
+    def on_stalled(self, run: Run, incident: Incident) -> List[Change]:
+        change = run.io.make_scale_dynamic()
         if change is None:
             return []
         self.scale_made_dynamic = True

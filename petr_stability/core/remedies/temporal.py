@@ -4,7 +4,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from ..validate import Setting, is_names
-from .base import Context, Outcome, Remedy, When
+from .base import Context, Outcome, Remedy, Run
 
 __all__ = ["TEMPORAL_RESET_METHODS", "GENERIC_RESET_CLASSES", "reset_temporal_state", "TemporalReset"]
 
@@ -71,7 +71,6 @@ class TemporalReset(Remedy):
 
     name = "temporal"
     label = "temporal state reset"
-    events = (When.AFTER_ROLLBACK,)
     settings = (Setting("temporal_reset", ("reset_memory", "reset"), is_names, "methods called after every "
                         "rollback on modules that have them, to clear state kept outside ``state_dict()`` "
                         "(StreamPETR's ``reset_memory``; ``reset`` only on Sparse4D's ``InstanceBank``)."),)
@@ -79,6 +78,6 @@ class TemporalReset(Remedy):
     def match(self, ctx: Context) -> bool:
         return bool(self.config.temporal_reset)
 
-    def apply(self, ctx: Context) -> Outcome:
-        names = reset_temporal_state(ctx.io.model(), self.config.temporal_reset)
+    def after_rollback(self, run: Run) -> Outcome:
+        names = reset_temporal_state(run.io.model(), self.config.temporal_reset)
         return Outcome(signals={"temporal_reset": names} if names else {})
