@@ -110,3 +110,17 @@ def test_readme_settings_and_defaults_are_the_codes():
         assert float(declared[name]) == float(value), (name, value, declared[name])
     for name in re.findall(r"NanGuardHook\(([a-z_]+)=", text):
         assert name in declared, name
+
+
+def test_the_remedy_docs_class_is_the_example_s_own():
+    # Issue 40: a remedy written from docs/remedies.md alone is the one the example runs in both runner families.
+    doc = _read("docs", "remedies.md").split("## The class: a relative target", 1)[1]
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "class DecayBackoff(Remedy):" in block and "def after_restore(self, run: Run, incident: Incident)" in block
+    assert block in _read("examples", "user_remedy", "decay_remedy.py")
+    # Every event's method the docs' table names is the protocol's, in its order.
+    from petr_stability.core.remedies.base import HANDLERS
+
+    table = _read("docs", "remedies.md").split("## The events, in the order of a run", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| [a-z ]+ \| `(\w+)\(", table, re.M) == list(HANDLERS.values())
+    assert re.findall(r"^\| ([a-z ]+) \| `", table, re.M) == [e.value for e in HANDLERS]
