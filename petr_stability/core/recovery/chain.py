@@ -2,7 +2,9 @@
 
 Three entry points (:class:`Entry`) walk the same :data:`TRANSITIONS` from :attr:`Step.DIAGNOSE`: a confirmed
 divergence, a stalled static loss scale, and a step that went wrong without diverging (an fp16 overflow, a skipped
-step, a non-finite loss). Each gathers this rank's evidence (a sample is blamed only by evidence about that sample,
+step, a non-finite loss). What they do differently is one small strategy object per entry type (:class:`_Kind`:
+diagnose, classify, act, record); the chain runs the shared steps and never branches on the entry type. Each
+gathers this rank's evidence (a sample is blamed only by evidence about that sample,
 :class:`Evidence`), agrees with the other ranks in one collective, fires its events at the remedies through the
 policy (which never names one), and writes records of one schema. Any step may end the run instead
 (:attr:`Step.GIVE_UP`: the record, then the error). Only :attr:`Step.AGREE`, :attr:`Step.RESTORE` and (on the way to
@@ -399,44 +401,13 @@ class IncidentChain:
                         f"ladder's rung that held: {rung}")
         return rung
 
-    # ------------------------------------------------------------------ evidence
+    # ------------------------------------------------------------------ the shared steps
     def _diagnose(self, inc: Incident) -> Step:
-        fp16 = inc.signals.scale_mode != "none"
-        if inc.entry == Entry.STALL:
-            self.skipped_steps += 1
-            return Step.CLASSIFY
-        if inc.entry == Entry.SKIP:
-            found = self.evidence.skipped(inc.kind, fp16)
-            inc.mine = {"named": found["named"], "listed": found["listed"]}
-            if found["isolation"] is not None:
-                inc.diagnosis = {"isolation": found["isolation"]}
-            return Step.CLASSIFY
-        if inc.entry == Entry.DIVERGENCE:
-            # A rank whose own step was clean would only re-run a clean batch: only those that saw the fault do.
-            saw = inc.signals.suspicious or inc.signals.weights_finite is False or not distributed.is_distributed()
-            if self.config.diagnose and saw:
-                inc.diagnosis = self.evidence.replay(inc.iteration, inc.signals, inc.batch, inc.rng,
-                                                     self.config.min_loss_scale)
-            inc.mine = {"named": self.evidence.named(inc.diagnosis, fp16, inc.diagnosis is not None), "listed": []}
+        _KINDS[inc.entry].diagnose(self, inc, inc.signals.scale_mode != "none")
         return Step.CLASSIFY
 
     def _classify(self, inc: Incident) -> Step:
-        history = self.policy.history
-        if inc.entry == Entry.SKIP:
-            named = inc.mine["named"]
-            inc.local = Classification(Cause.DATA, f"evidence names {len(named)} sample(s) of the batch",
-                                       signals={"iteration": inc.iteration}) if named else None
-        elif inc.entry == Entry.DIVERGENCE and inc.diagnosis is not None:
-            inc.local = classify(inc.diagnosis, history, inc.iteration, recurrence=False)
-            own = [x for x in inc.mine["named"] if x.get("evidence") == OWN_VALUES]
-            if own and inc.local.cause in (Cause.DYNAMICS, Cause.UNKNOWN):
-                # The batch in hand trains fine, but an earlier batch of its accumulation window holds NaN/Inf.
-                inc.local = from_inputs(own, inc.iteration)
-        elif inc.entry == Entry.DIVERGENCE:
-            # No replay: the batch's own values are the evidence there is (a sample holding NaN is bad data).
-            inc.local = from_inputs(inc.mine["named"], inc.iteration) if inc.batch is not None else None
-            if inc.local is None and not distributed.is_distributed():
-                inc.local = classify(None, history, inc.iteration, recurrence=False)
+        inc.local = _KINDS[inc.entry].classify(self, inc)
         return Step.AGREE
 
     def _agree(self, inc: Incident) -> Step:
@@ -447,80 +418,16 @@ class IncidentChain:
         def ranked(key: str) -> tuple:
             return tuple(dict(s, rank=r) if many else dict(s) for r, v in enumerate(views) for s in v.get(key, []))
 
+        kind = _KINDS[inc.entry]
         classes = [None if v["cls"] is None else Classification.from_dict(v["cls"]) for v in views]
-        agreed = merge(classes) if any(c is not None for c in classes) or inc.entry == Entry.DIVERGENCE else None
+        agreed = merge(classes) if any(c is not None for c in classes) or kind.always_classed else None
         # DDP replicas hold the same weights: one rank's finite check speaks for the state of all.
         state_ok = any(v["checked"] is True for v in views) and not any(v["checked"] is False for v in views)
         inc.agreed = Agreement(agreed, ranked("named"), ranked("listed"), state_ok)
-        if inc.entry != Entry.DIVERGENCE:
-            return Step.ACT
-        inc.cls = _recurrence(agreed, self.policy.history, len(views), inc.iteration)
-        inc.cls = inc.cls.but(action=self.policy.action_text(inc.cls.cause))
-        return self._budget(inc)
+        return kind.agreed(self, inc, len(views))
 
-    def _budget(self, inc: Incident) -> Step:
-        if self.recoveries < self.config.max_recoveries:
-            return Step.ACT
-        spent = f"the recovery budget is spent ({self.recoveries} of max_recoveries={self.config.max_recoveries})"
-        if inc.cls.cause == Cause.DATA and self.policy.enabled(Cause.DATA):
-            # Bad data, batch after batch, past the budget: a data problem (a transform that breaks every sample,
-            # a corrupt shard), named sample by sample, not a bug in the model.
-            c = self.policy.spent(inc.cls, self.io, _bare(inc.agreed.samples))
-            inc.cls = c.but(evidence=c.evidence + f"; {spent}, every divergence of late bad data: look at what every "
-                                                  "sample goes through (the data pipeline's transforms, a wrong "
-                                                  "normalisation) and at the files of the samples named")
-            if inc.cls.signals.get("bad_data") is not None:
-                _bad_data_stop(inc)
-                return Step.VERIFY
-        inc.stop = (NanGuardGaveUp, spent)
-        return Step.VERIFY
-
-    # ------------------------------------------------------------------ action
     def _act(self, inc: Incident) -> Step:
-        if inc.entry == Entry.STALL:
-            return self._act_stall(inc)
-        if inc.entry == Entry.SKIP:
-            return self._act_skip(inc)
-        if inc.cls.cause != Cause.STRUCTURAL:
-            inc.cls, inc.changes = self.policy.before_restore(inc.cls, self.io, _bare(inc.agreed.samples),
-                                                              self.recoveries + 1)
-        if inc.cls.signals.get("bad_data"):  # samples the bound refused broke the run again: data, not a bug
-            _bad_data_stop(inc)
-            return Step.VERIFY
-        if inc.cls.cause == Cause.STRUCTURAL:
-            inc.changes = []
-            inc.stop = (StructuralDivergence, f"the divergence is structural: {inc.cls.evidence}. Look at: "
-                                              f"{row(_looked_at(inc.cls)).look_at}")
-            return Step.VERIFY
-        self.note(inc.iteration, inc.changes)
-        return Step.RESTORE
-
-    def _act_stall(self, inc: Incident) -> Step:
-        inc.changes = list(self.policy.event(When.STALLED, self.io, iteration=inc.iteration).changes)
-        if inc.changes:
-            self.note(inc.iteration, inc.changes)
-            return Step.RESTORE
-        # No remedy could answer the stall: a divergence, from its first step.
-        inc.entry, inc.mine, inc.local = Entry.DIVERGENCE, {}, None
-        inc.decision = Decision(Verdict.DIVERGED, inc.decision.reason + "; no scale remedy available")
-        return Step.DIAGNOSE
-
-    def _act_skip(self, inc: Incident) -> Step:
-        samples = _bare(inc.agreed.samples)
-        if not samples or inc.kind == "nonfinite_loss":
-            return Step.RESTORE
-        base = inc.agreed.cls or Classification(Cause.DATA, "evidence names samples of the batch")
-        outcome = self.policy.event(When.SKIPPED, self.io, base, samples=samples, iteration=inc.iteration,
-                                    epoch=inc.data_epoch)
-        inc.changes = list(outcome.changes)
-        inc.cls = outcome.applied_to(base)
-        if outcome.signals.get("bad_data") is not None:
-            inc.cls = inc.cls.but(evidence=outcome.evidence.lstrip("; "))
-            inc.decision = Decision(Verdict.DIVERGED, "refused bad samples broke the run again")
-            _bad_data_stop(inc)
-            return Step.VERIFY
-        self.note(inc.iteration, inc.changes)
-        return Step.RESTORE
+        return _KINDS[inc.entry].act(self, inc)
 
     def _verify(self, inc: Incident) -> Step:
         """A stop for a bug, bad data or no healthy state stands only where its verdict holds on the run's start state
@@ -534,14 +441,12 @@ class IncidentChain:
         if self.recoveries >= self.config.max_recoveries:
             inc.stop = (NanGuardGaveUp, f"{overturned.evidence}; but the recovery budget is spent")
             return Step.GIVE_UP
-        if inc.entry != Entry.DIVERGENCE:
-            return Step.RECORD  # a skipped step: nothing to roll back, nobody to stop
-        return Step.RESTORE if overturned.signals["overturned"] == NoHealthyStateError.__name__ else Step.ACT
+        return _KINDS[inc.entry].overturned(inc)
 
     def _restore(self, inc: Incident) -> Step:
         # Bad data met a state checked finite on every rank (the scaler or the fp32 skip kept it out): the state is
         # not what broke, so the run goes on from it, nothing lost. Nothing but a divergence rolls back.
-        if inc.entry != Entry.DIVERGENCE or not self.policy.rolls_back(inc.cls, self.io) or (
+        if not _KINDS[inc.entry].rolls_back or not self.policy.rolls_back(inc.cls, self.io) or (
                 inc.cls.cause == Cause.DATA and inc.agreed.state_ok):
             return Step.RECORD
         # Bad data leaves the restore point it rolls back to as healthy as it was: the next data incident may use it
@@ -567,53 +472,14 @@ class IncidentChain:
             self.io.log(f"NanGuard: temporal state reset after the rollback: {', '.join(inc.temporal)}")
         return Step.RECORD
 
-    # ------------------------------------------------------------------ records
     def _record(self, inc: Incident) -> Step:
-        if inc.entry == Entry.SKIP:
-            inc.records = self._skip_records(inc)
-            return Step.DONE
-        if inc.entry == Entry.STALL:
-            self.stalls += 1
-            self.io.log(f"NanGuard: static loss scale stalled training at iter {inc.iteration} "
-                        f"({inc.decision.reason}); " + "; ".join(f"{c.target}: {c.old} -> {c.new}"
-                                                                  for c in inc.changes), "warning")
-            inc.records = [self._base(inc, Event.STALLED, inc.changes)]
-            return Step.DONE
-        self.recoveries += 1
-        self.iterations_lost += inc.lost
-        restored = None if inc.restored is None else {"source": inc.restored.source,
-                                                      "iteration": inc.restored.iteration}
-        if restored and inc.temporal:
-            restored["temporal_reset"] = inc.temporal
-        self.policy.record(inc.cls, inc.iteration, None if inc.restored is None else inc.restored.iteration)
-        inc.records = [self._base(inc, Event.DIVERGENCE, inc.changes, restored_from=restored,
-                                  iterations_lost=inc.lost)]
-        where = ("no rollback (the state is finite on every rank: the bad batch is skipped)"
-                 if self.policy.rolls_back(inc.cls, self.io) else "no rollback (disabled)")
-        _log_recovery(self.io, inc, f"recovery {self.recoveries}/{self.config.max_recoveries}", where)
+        inc.records = _KINDS[inc.entry].record(self, inc)
         return Step.DONE
-
-    def _skip_records(self, inc: Incident) -> List[Dict[str, Any]]:
-        scaled, skipped = inc.signals.scale_mode != "none", inc.kind in ("overflow", "skip")
-        self.skipped_steps += skipped
-        self.fp32_skips += inc.kind == "skip" and not scaled
-        listed = list(inc.agreed.listed) or None
-        self.io.log(_skip_line(inc, listed), "info" if inc.kind == "overflow" else "warning")
-        # The skip's record holds what the evidence showed; what the remedies did with it is the recurring record's.
-        records = [] if inc.kind == "overflow" else [
-            self._base(inc, Event.SKIP if skipped else Event.NONFINITE_LOSS, [], batch=listed, cls=inc.agreed.cls)]
-        recurred = (inc.cls.signals.get("recurring") if inc.cls is not None else None) or []
-        if recurred:
-            reason = str(inc.cls.signals.get("reason", ""))
-            records.append(self._base(inc, Event.RECURRING_SAMPLE, inc.changes, batch=recurred,
-                                      quarantined=bool(inc.cls.signals.get("quarantined")),
-                                      decision=Decision(Verdict.OVERFLOW, reason)))
-        return records
 
     def _give_up(self, inc: Incident) -> Step:
         error, why = inc.stop
         changes = inc.changes if error is NoHealthyStateError else []
-        batch = list(inc.cls.signals.get("bad_data") or []) if inc.entry == Entry.SKIP and inc.cls else None
+        batch = _KINDS[inc.entry].stopped_on(inc)
         inc.records = [self._base(inc, Event.GAVE_UP, changes, why=why,
                                   **({"batch": batch} if batch is not None else {}))]
         tried = "\n".join(f"  - {a}" for a in self.actions_tried) or "  (nothing yet)"
@@ -653,6 +519,203 @@ class IncidentChain:
 
 
 _COUNTERS = ("recoveries", "iterations_lost", "stalls", "skipped_steps", "fp32_skips")
+
+
+class _Kind:
+    """What an entry type does at the steps where the entries differ; :class:`IncidentChain` runs the shared steps
+    (agree, verify, restore, give up, the record schema) and never branches on the entry type."""
+
+    #: Agreed on as a class even where no rank classified it (a divergence always has one).
+    always_classed = False
+    #: It may roll back (the policy says whether this class does).
+    rolls_back = False
+
+    def diagnose(self, chain: IncidentChain, inc: Incident, fp16: bool) -> None:
+        """This rank's evidence (rank-local)."""
+
+    def classify(self, chain: IncidentChain, inc: Incident) -> Optional[Classification]:
+        """This rank's class, from its evidence (None: none)."""
+        return None
+
+    def agreed(self, chain: IncidentChain, inc: Incident, ranks: int) -> Step:
+        """After the agreement (``inc.agreed``): the next step."""
+        return Step.ACT
+
+    def act(self, chain: IncidentChain, inc: Incident) -> Step:
+        """The events it fires at the remedies; the next step."""
+        raise NotImplementedError
+
+    def overturned(self, inc: Incident) -> Step:
+        """Where a stop's verdict did not hold on the start state: the next step."""
+        return Step.RECORD  # nothing to roll back, nobody to stop
+
+    def record(self, chain: IncidentChain, inc: Incident) -> List[Dict[str, Any]]:
+        """Its records (the counters counted)."""
+        raise NotImplementedError
+
+    def stopped_on(self, inc: Incident) -> Optional[List[Dict[str, Any]]]:
+        """The samples its give-up record names as its batch (None: no batch field)."""
+        return None
+
+
+class _Divergence(_Kind):
+    """A confirmed divergence: replay, classify, the class's remedies, roll back."""
+
+    always_classed = rolls_back = True
+
+    def diagnose(self, chain: IncidentChain, inc: Incident, fp16: bool) -> None:
+        # A rank whose own step was clean would only re-run a clean batch: only those that saw the fault do.
+        saw = inc.signals.suspicious or inc.signals.weights_finite is False or not distributed.is_distributed()
+        if chain.config.diagnose and saw:
+            inc.diagnosis = chain.evidence.replay(inc.iteration, inc.signals, inc.batch, inc.rng,
+                                                  chain.config.min_loss_scale)
+        inc.mine = {"named": chain.evidence.named(inc.diagnosis, fp16, inc.diagnosis is not None), "listed": []}
+
+    def classify(self, chain: IncidentChain, inc: Incident) -> Optional[Classification]:
+        history = chain.policy.history
+        if inc.diagnosis is not None:
+            local = classify(inc.diagnosis, history, inc.iteration, recurrence=False)
+            own = [x for x in inc.mine["named"] if x.get("evidence") == OWN_VALUES]
+            if own and local.cause in (Cause.DYNAMICS, Cause.UNKNOWN):
+                # The batch in hand trains fine, but an earlier batch of its accumulation window holds NaN/Inf.
+                local = from_inputs(own, inc.iteration)
+            return local
+        # No replay: the batch's own values are the evidence there is (a sample holding NaN is bad data).
+        local = from_inputs(inc.mine["named"], inc.iteration) if inc.batch is not None else None
+        if local is None and not distributed.is_distributed():
+            local = classify(None, history, inc.iteration, recurrence=False)
+        return local
+
+    def agreed(self, chain: IncidentChain, inc: Incident, ranks: int) -> Step:
+        inc.cls = _recurrence(inc.agreed.cls, chain.policy.history, ranks, inc.iteration)
+        inc.cls = inc.cls.but(action=chain.policy.action_text(inc.cls.cause))
+        if chain.recoveries < chain.config.max_recoveries:
+            return Step.ACT
+        spent = f"the recovery budget is spent ({chain.recoveries} of max_recoveries={chain.config.max_recoveries})"
+        if inc.cls.cause == Cause.DATA and chain.policy.enabled(Cause.DATA):
+            # Bad data, batch after batch, past the budget: a data problem (a transform that breaks every sample,
+            # a corrupt shard), named sample by sample, not a bug in the model.
+            c = chain.policy.spent(inc.cls, chain.io, _bare(inc.agreed.samples))
+            inc.cls = c.but(evidence=c.evidence + f"; {spent}, every divergence of late bad data: look at what every "
+                                                  "sample goes through (the data pipeline's transforms, a wrong "
+                                                  "normalisation) and at the files of the samples named")
+            if inc.cls.signals.get("bad_data") is not None:
+                _bad_data_stop(inc)
+                return Step.VERIFY
+        inc.stop = (NanGuardGaveUp, spent)
+        return Step.VERIFY
+
+    def act(self, chain: IncidentChain, inc: Incident) -> Step:
+        if inc.cls.cause != Cause.STRUCTURAL:
+            inc.cls, inc.changes = chain.policy.before_restore(inc.cls, chain.io, _bare(inc.agreed.samples),
+                                                               chain.recoveries + 1)
+        if inc.cls.signals.get("bad_data"):  # samples the bound refused broke the run again: data, not a bug
+            _bad_data_stop(inc)
+            return Step.VERIFY
+        if inc.cls.cause == Cause.STRUCTURAL:
+            inc.changes = []
+            inc.stop = (StructuralDivergence, f"the divergence is structural: {inc.cls.evidence}. Look at: "
+                                              f"{row(_looked_at(inc.cls)).look_at}")
+            return Step.VERIFY
+        chain.note(inc.iteration, inc.changes)
+        return Step.RESTORE
+
+    def overturned(self, inc: Incident) -> Step:
+        return Step.RESTORE if inc.cls.signals["overturned"] == NoHealthyStateError.__name__ else Step.ACT
+
+    def record(self, chain: IncidentChain, inc: Incident) -> List[Dict[str, Any]]:
+        chain.recoveries += 1
+        chain.iterations_lost += inc.lost
+        restored = None if inc.restored is None else {"source": inc.restored.source,
+                                                      "iteration": inc.restored.iteration}
+        if restored and inc.temporal:
+            restored["temporal_reset"] = inc.temporal
+        chain.policy.record(inc.cls, inc.iteration, None if inc.restored is None else inc.restored.iteration)
+        records = [chain._base(inc, Event.DIVERGENCE, inc.changes, restored_from=restored, iterations_lost=inc.lost)]
+        where = ("no rollback (the state is finite on every rank: the bad batch is skipped)"
+                 if chain.policy.rolls_back(inc.cls, chain.io) else "no rollback (disabled)")
+        _log_recovery(chain.io, inc, f"recovery {chain.recoveries}/{chain.config.max_recoveries}", where)
+        return records
+
+
+class _Stall(_Kind):
+    """A static loss scale skipping every step: the stall's remedies (none answering: a divergence from here)."""
+
+    def diagnose(self, chain: IncidentChain, inc: Incident, fp16: bool) -> None:
+        chain.skipped_steps += 1
+
+    def act(self, chain: IncidentChain, inc: Incident) -> Step:
+        inc.changes = list(chain.policy.event(When.STALLED, chain.io, iteration=inc.iteration).changes)
+        if inc.changes:
+            chain.note(inc.iteration, inc.changes)
+            return Step.RESTORE
+        # No remedy could answer the stall: a divergence, from its first step.
+        inc.entry, inc.mine, inc.local = Entry.DIVERGENCE, {}, None
+        inc.decision = Decision(Verdict.DIVERGED, inc.decision.reason + "; no scale remedy available")
+        return Step.DIAGNOSE
+
+    def record(self, chain: IncidentChain, inc: Incident) -> List[Dict[str, Any]]:
+        chain.stalls += 1
+        chain.io.log(f"NanGuard: static loss scale stalled training at iter {inc.iteration} "
+                     f"({inc.decision.reason}); " + "; ".join(f"{c.target}: {c.old} -> {c.new}"
+                                                               for c in inc.changes), "warning")
+        return [chain._base(inc, Event.STALLED, inc.changes)]
+
+
+class _Skip(_Kind):
+    """A step that went wrong without diverging: recorded, its samples named by evidence only."""
+
+    def diagnose(self, chain: IncidentChain, inc: Incident, fp16: bool) -> None:
+        found = chain.evidence.skipped(inc.kind, fp16)
+        inc.mine = {"named": found["named"], "listed": found["listed"]}
+        if found["isolation"] is not None:
+            inc.diagnosis = {"isolation": found["isolation"]}
+
+    def classify(self, chain: IncidentChain, inc: Incident) -> Optional[Classification]:
+        named = inc.mine["named"]
+        return Classification(Cause.DATA, f"evidence names {len(named)} sample(s) of the batch",
+                              signals={"iteration": inc.iteration}) if named else None
+
+    def act(self, chain: IncidentChain, inc: Incident) -> Step:
+        samples = _bare(inc.agreed.samples)
+        if not samples or inc.kind == "nonfinite_loss":
+            return Step.RESTORE
+        base = inc.agreed.cls or Classification(Cause.DATA, "evidence names samples of the batch")
+        outcome = chain.policy.event(When.SKIPPED, chain.io, base, samples=samples, iteration=inc.iteration,
+                                     epoch=inc.data_epoch)
+        inc.changes = list(outcome.changes)
+        inc.cls = outcome.applied_to(base)
+        if outcome.signals.get("bad_data") is not None:
+            inc.cls = inc.cls.but(evidence=outcome.evidence.lstrip("; "))
+            inc.decision = Decision(Verdict.DIVERGED, "refused bad samples broke the run again")
+            _bad_data_stop(inc)
+            return Step.VERIFY
+        chain.note(inc.iteration, inc.changes)
+        return Step.RESTORE
+
+    def record(self, chain: IncidentChain, inc: Incident) -> List[Dict[str, Any]]:
+        scaled, skipped = inc.signals.scale_mode != "none", inc.kind in ("overflow", "skip")
+        chain.skipped_steps += skipped
+        chain.fp32_skips += inc.kind == "skip" and not scaled
+        listed = list(inc.agreed.listed) or None
+        chain.io.log(_skip_line(inc, listed), "info" if inc.kind == "overflow" else "warning")
+        # The skip's record holds what the evidence showed; what the remedies did with it is the recurring record's.
+        records = [] if inc.kind == "overflow" else [
+            chain._base(inc, Event.SKIP if skipped else Event.NONFINITE_LOSS, [], batch=listed, cls=inc.agreed.cls)]
+        recurred = (inc.cls.signals.get("recurring") if inc.cls is not None else None) or []
+        if recurred:
+            reason = str(inc.cls.signals.get("reason", ""))
+            records.append(chain._base(inc, Event.RECURRING_SAMPLE, inc.changes, batch=recurred,
+                                       quarantined=bool(inc.cls.signals.get("quarantined")),
+                                       decision=Decision(Verdict.OVERFLOW, reason)))
+        return records
+
+    def stopped_on(self, inc: Incident) -> Optional[List[Dict[str, Any]]]:
+        return list(inc.cls.signals.get("bad_data") or []) if inc.cls else None
+
+
+#: Each entry type's steps (:class:`_Kind`).
+_KINDS: Dict[Entry, _Kind] = {Entry.DIVERGENCE: _Divergence(), Entry.STALL: _Stall(), Entry.SKIP: _Skip()}
 
 
 #: The stops whose verdict must hold on the run's start state first (:meth:`IncidentChain._verify`).
