@@ -1,7 +1,7 @@
 """Which dataset indices each training iteration consumed, on this rank, whatever the dataset carries.
 
 A loader's index source (its batch sampler, or its sampler where it has none) is wrapped once by a
-:class:`~.remedies.quarantine.QuarantineSampler` that records every batch of indices it yields; the guard asks at
+:class:`~.skiplist.QuarantineSampler` that records every batch of indices it yields; the guard asks at
 each iteration which of them is the batch in hand. Every torch ``DataLoader`` iterator counts the batches it
 returned (``_num_yielded``), and batches come back in the order their indices were drawn, so the batch in hand
 is the ``_num_yielded``-th one drawn in the iterator's pass: prefetching workers (``num_workers > 0``) and an MMEngine
@@ -18,8 +18,8 @@ from typing import Any, Deque, List, Optional
 
 from torch.utils.data import IterableDataset
 
-from .remedies.quarantine import QuarantineSampler
 from .samples import key
+from .skiplist import QuarantineSampler
 
 __all__ = ["SampleTracker"]
 
@@ -30,7 +30,7 @@ class SampleTracker:
     """The dataset indices of the batch in hand, and the quarantine applied to the indices a loader draws.
 
     Args:
-        skip: the quarantined indices (a :class:`~.remedies.quarantine.SkipList`, or an empty set where the
+        skip: the quarantined indices (a :class:`~.skiplist.SkipList`, or an empty set where the
             quarantine is off: the indices are still recorded).
         window: how many recent batches of indices are kept (enough for any prefetch depth). Defaults to 4096.
     """

@@ -302,3 +302,15 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT),
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_no_module_outside_the_remedies_imports_the_quarantine_remedy():
+    # Issue 40: the chain and the tracker reach the quarantine's bookkeeping (core/skiplist.py), never the remedy.
+    importers = []
+    for path in sorted((PACKAGE).rglob("*.py")):
+        if path.parent == PACKAGE / "core" / "remedies":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("quarantine"):
+                importers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert importers == []

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from petr_stability.core.remedies.quarantine import QuarantineSampler, SkipList
 from petr_stability.core.samples import named_samples, resolve_indices, sample_ids
+from petr_stability.core.skiplist import QuarantineSampler, SkipList
 from petr_stability.core.tracking import SampleTracker
 from petr_stability.testing.data import ListDataset
 

@@ -35,8 +35,8 @@ from ..errors import BadDataError, NanGuardGaveUp, NoHealthyStateError, Structur
 from ..port import GuardIO, Payload
 from ..records import Event, step_record
 from ..remedies.base import Change, When
-from ..remedies.quarantine import bad_data_advice, short_samples
 from ..samples import named_samples, suspect_rows
+from ..skiplist import bad_data_advice, short_samples
 from ..watch.detector import Decision, StepSignals, Verdict
 from .policy import CausePolicy
 from .restore import RESTORE_ORDER, RestorePoints, as_tensors
