@@ -32,9 +32,6 @@ class Targets:
     def __init__(self) -> None:
         self.by_remedy: Dict[str, Dict[str, Dict[str, Any]]] = {}
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.by_remedy
-
     def declare(self, name: str, targets: Iterable[Target], io: Any) -> List[Change]:
         """``name``'s targets from now on (a key declared again replaces the earlier value, keeping the configured
         value it is relative to); applies every target. Returns what changed."""
