@@ -48,6 +48,10 @@ class RunResult:
     def final(self) -> Dict[str, Any]:
         return self.data.get("final") or {}
 
+    def remedy_state(self, name: str) -> Dict[str, Any]:
+        """The remedy ``name``'s state in the guard's final state (``remedies.<name>``: one layout for every remedy)."""
+        return dict(((self.final.get("guard_state") or {}).get("remedies") or {}).get(name) or {})
+
     def incidents(self, event: Optional[str] = None) -> List[Dict[str, Any]]:
         records = read_incidents(self.work_dir)[self.first_record:]
         return [r for r in records if event is None or r.get("event") == event]

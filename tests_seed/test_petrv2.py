@@ -95,7 +95,7 @@ def test_petrv2_through_cbgs_a_corrupt_sample_is_quarantined_under_every_index(p
     expect(any(s.get("inner_index") == bad["index"] and bad["token"] in (s.get("token"), s.get("sample_idx"))
                for s in named),
            f"no record names inner index {bad['index']} and token {bad['token']}: {named}")
-    skip = (((r.final.get("guard_state") or {}).get("policy") or {}).get("skip") or {}).get("indices") or {}
+    skip = (r.remedy_state("quarantine").get("skip") or {}).get("indices") or {}
     expect(sorted(int(i) for i in skip) == sorted(bad["outer"]),
            f"quarantined {sorted(skip)}, CBGS serves the sample under {bad['outer']}")
     served = sum(1 for it in r.iterations for i in it.get("indices") or [] if i == bad["index"])
@@ -120,8 +120,7 @@ def _fetches(r: RunResult, size: int) -> List[int]:
 
 def _quarantined(r: RunResult) -> List[int]:
     """The outer indices the run's guard holds quarantined at its end."""
-    policy = (r.final.get("guard_state") or {}).get("policy") or {}
-    return sorted(int(i) for i in ((policy.get("skip") or {}).get("indices") or {}))
+    return sorted(int(i) for i in ((r.remedy_state("quarantine").get("skip") or {}).get("indices") or {}))
 
 
 def test_petrv2_through_cbgs_the_next_run_keeps_the_quarantined_sample_out(petr_root: str, petr_cbgs_table_data: str,

@@ -144,7 +144,7 @@ def test_corrupt_frame_is_data_named_by_token_quarantined_and_its_scene_goes_on(
     expect(data, f"nothing classed data: {[(x.get('event'), (x.get('cause') or {}).get('cause')) for x in records]}")
     changed = [a["target"] for x in records for a in x.get("actions") or [] if not a["target"].startswith("quar")]
     expect(not changed, f"settings changed for bad data: {changed[:6]}")
-    skip = (((r.final.get("guard_state") or {}).get("policy") or {}).get("skip") or {}).get("indices") or {}
+    skip = (r.remedy_state("quarantine").get("skip") or {}).get("indices") or {}
     expect(str(bad["index"]) in skip, f"dataset index {bad['index']} not in the quarantine: {sorted(skip)}")
     # A skipped step names the frame (a `skip` record of class data); the record that quarantines it is the one after
     # which the sampler must never serve it (the `recurring_sample` when it breaks a step again, or a divergence's).
@@ -266,8 +266,8 @@ def test_resume_mid_scene_keeps_remedies_and_a_consistent_memory(overflow_run: R
     expect(isinstance(saved_scale, float) and isinstance(first.get("loss_scale"), float)
            and first["loss_scale"] <= saved_scale,
            f"loss scale {first.get('loss_scale')} after the first resumed step: not the checkpoint's {saved_scale}")
-    before = ((overflow_run.final.get("guard_state") or {}).get("policy") or {}).get("fp32") or []
-    now = ((r.final.get("guard_state") or {}).get("policy") or {}).get("fp32") or []
+    before = overflow_run.remedy_state("fp32").get("fp32") or []
+    now = r.remedy_state("fp32").get("fp32") or []
     expect(set(before) <= set(now), f"fp32 islands before {before}, after the resume {now}")
     causes = [(x["iteration"], (x.get("cause") or {}).get("cause")) for x in r.incidents()
               if x.get("event") in ("divergence", "gave_up")]

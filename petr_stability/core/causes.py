@@ -7,9 +7,9 @@ docs/how-it-works.md's table is checked against it, and the report prints its te
 """
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["Cause", "CauseRow", "CAUSE_TABLE", "PRIORITY", "row", "Classification"]
+__all__ = ["Cause", "CauseRow", "CAUSE_TABLE", "PRIORITY", "row", "SampleVerdict", "Classification"]
 
 
 class Cause(str, enum.Enum):
@@ -110,6 +110,44 @@ def row(cause: Cause) -> CauseRow:
 
 
 @dataclass(frozen=True)
+class SampleVerdict:
+    """What the remedies did with the samples an incident's evidence named (the quarantine's answer): the incident
+    chain reads these fields, and the record shows them as ``cause.signals`` (:meth:`signals`). Samples are dicts as
+    the records write them (index, and the sample's id where the dataset has one).
+
+    Attributes:
+        quarantined: taken out of the run now. Defaults to ().
+        refused: named, but the quarantine's bound refused them (their batch skipped). Defaults to ().
+        recurring: named at two skipped steps (quarantined or refused): a ``recurring_sample`` record. Defaults to ().
+        stored: the quarantined samples by what they are (leaf dataset, inner index, token), as the next run resolves
+            them. Defaults to ().
+        bad_data: not None: the run stops with ``BadDataError`` naming these (samples the bound refused broke it
+            again, or the budget is spent on late bad data). Defaults to None.
+        reason: why they recurred (the recurring record's decision). Defaults to "".
+    """
+
+    quarantined: Tuple[Mapping[str, Any], ...] = ()
+    refused: Tuple[Mapping[str, Any], ...] = ()
+    recurring: Tuple[Mapping[str, Any], ...] = ()
+    stored: Tuple[Mapping[str, Any], ...] = ()
+    bad_data: Optional[Tuple[Mapping[str, Any], ...]] = None
+    reason: str = ""
+
+    def signals(self) -> Dict[str, Any]:
+        """The record's keys (``cause.signals``), those set only: the incident log's schema (docs/incidents.md)."""
+        out: Dict[str, Any] = {}
+        if self.recurring:
+            out.update(recurring=list(self.recurring), reason=self.reason)
+        if self.recurring or self.quarantined:
+            out.update(quarantined=list(self.quarantined), stored=list(self.stored))
+        if self.refused:
+            out["refused"] = list(self.refused)
+        if self.bad_data is not None:
+            out["bad_data"] = list(self.bad_data)
+        return out
+
+
+@dataclass(frozen=True)
 class Classification:
     """One divergence's class with the evidence for it: plain immutable data (:meth:`but` gives a changed copy).
 
@@ -120,6 +158,8 @@ class Classification:
         signals: the readings behind the evidence (JSON-ready; never changed in place). Defaults to {}.
         ranks: which ranks reported which cause, once agreed. Defaults to {}.
         action: what the guard does for it (the table's text, filled in by the policy). Defaults to "".
+        samples: what the remedies did with the samples evidence named (:class:`SampleVerdict`; None: nothing).
+            Defaults to None.
     """
 
     cause: Cause
@@ -128,6 +168,7 @@ class Classification:
     signals: Mapping[str, Any] = field(default_factory=dict)
     ranks: Mapping[str, str] = field(default_factory=dict)
     action: str = ""
+    samples: Optional[SampleVerdict] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cause", Cause(self.cause))

@@ -142,7 +142,8 @@ def test_state_round_trips_through_json_and_loading_it_twice_changes_nothing(fam
     run = build(family, tmp_path, iters=16, faults=[weights(12)])
     run.train()
     state = json.loads(json.dumps(run.guard.state_dict()))
-    assert state["recoveries"] == 1 and state["dropout_zeroed"] and state["clip"]
+    mine = state["remedies"]
+    assert state["recoveries"] == 1 and mine["dropout"]["dropout_zeroed"] and mine["clip"]["clip"]
     assert state["replicas"]["checks"] == 0  # issue 41: one process holds no replicas; its counters still ride along
     run.clip_kwargs()["max_norm"] = 35.0  # as a resumed run's freshly built optimizer has it
     run.guard.load_state_dict(state)

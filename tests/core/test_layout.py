@@ -194,7 +194,7 @@ def test_every_remedy_has_its_file_its_tests_and_its_row_in_the_docs():
 
     from petr_stability.core.remedies.base import Remedy
 
-    docs = (ROOT / "docs" / "how-it-works.md").read_text()
+    docs = (ROOT / "docs" / "remedies.md").read_text()
     tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py") if p.name != "test_layout.py")
     for remedy in _registry():
         path = pathlib.Path(inspect.getsourcefile(remedy))
@@ -205,7 +205,7 @@ def test_every_remedy_has_its_file_its_tests_and_its_row_in_the_docs():
         assert own == [remedy], f"{path.name} holds {own}: one remedy per file"
         assert re.search(rf"\b{remedy.__name__}\b", tests), f"no test names {remedy.__name__}"
         rows = re.findall(rf"^\| `{remedy.name}` \|(.*)\|(.*)\|(.*)\|$", docs, re.M)
-        assert len(rows) == 1, f"docs/how-it-works.md has no row for {remedy.name!r}"
+        assert len(rows) == 1, f"docs/remedies.md has no row for {remedy.name!r}"
         serves, events, state = (cell.strip() for cell in rows[0])
         assert [e.strip() for e in events.split(",") if e.strip()] == [e.value for e in remedy.events], (remedy.name,
                                                                                               events)
@@ -213,8 +213,24 @@ def test_every_remedy_has_its_file_its_tests_and_its_row_in_the_docs():
             assert cause.value in serves, (remedy.name, serves)
         for cause in remedy.assists:
             assert f"assists {cause.value}" in serves, (remedy.name, serves)
-        prefix = "policy." if remedy.section == "policy" else ""
-        assert sorted(re.findall(r"`([\w.]+)`", state)) == sorted(prefix + k for k in remedy.state), remedy.name
+        assert sorted(re.findall(r"`([\w.]+)`", state)) == sorted(remedy.state), remedy.name
+
+
+def test_a_built_in_remedy_is_its_module_its_test_and_its_docs_row():
+    # Issue 40: the registry finds the built-ins (one Remedy subclass per module of core/remedies/) and each declares
+    # where it fires (`order`): no list of them to extend, no import of them in the registry.
+    import inspect
+
+    registry = PACKAGE / "core" / "remedies" / "registry.py"
+    modules = _modules()
+    imported = _imports("petr_stability.core.remedies.registry", registry, set(modules))
+    assert sorted(m for m in imported if m.startswith("petr_stability.core.remedies.")) == [
+        "petr_stability.core.remedies.base"]
+    builtins = sorted(pathlib.Path(inspect.getsourcefile(r)).stem for r in _registry()
+                      if pathlib.Path(inspect.getsourcefile(r)).parent == PACKAGE / "core" / "remedies")
+    remedy_modules = sorted(p.stem for p in (PACKAGE / "core" / "remedies").glob("*.py")
+                            if p.stem not in ("__init__", "base", "registry", "targets"))
+    assert builtins == remedy_modules
 
 
 def test_the_ladder_is_declared_once_and_nothing_else_lists_remedies():
@@ -224,7 +240,7 @@ def test_the_ladder_is_declared_once_and_nothing_else_lists_remedies():
     from petr_stability.core.remedies.registry import LADDER, REMEDIES
 
     assert [f.name for f in dataclasses.fields(CauseRow) if "remed" in f.name] == []
-    docs = (ROOT / "docs" / "how-it-works.md").read_text()
+    docs = (ROOT / "docs" / "remedies.md").read_text()
     for number, rung in enumerate(LADDER, 1):
         assert all(re.search(rf"^\| `{n}` \| [^|]*\(rung {number}\)", docs, re.M) for n in rung.remedies)
     names = set(REMEDIES)
@@ -314,3 +330,26 @@ def test_no_module_outside_the_remedies_imports_the_quarantine_remedy():
             if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("quarantine"):
                 importers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert importers == []
+
+
+def test_the_chain_reads_the_samples_verdict_by_its_fields_never_by_the_quarantines_keys():
+    # Issue 40: what the quarantine did reaches the chain, the policy and the tracker as a typed SampleVerdict; its
+    # keys are the record's schema (SampleVerdict.signals), written in one place and read here by nobody.
+    keys = {"quarantined", "refused", "recurring", "bad_data", "stored", "reason"}
+
+    def on_signals(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "signals"
+
+    named = []
+    for path in (PACKAGE / "core" / "recovery" / "chain.py", PACKAGE / "core" / "recovery" / "policy.py",
+                 PACKAGE / "core" / "tracking.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            key = None
+            if isinstance(node, ast.Subscript) and on_signals(node.value):
+                key = node.slice.value if type(node.slice).__name__ == "Index" else node.slice
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                    and on_signals(node.func.value) and node.args:
+                key = node.args[0]
+            if isinstance(key, ast.Constant) and key.value in keys:
+                named.append(f"{path.relative_to(ROOT)}:{node.lineno} {key.value!r}")
+    assert named == []

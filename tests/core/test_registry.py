@@ -76,15 +76,56 @@ def test_the_ladder_text_follows_the_settings():
 def test_the_state_keeps_the_checkpoint_layout_and_idle_remedies_are_never_called(monkeypatch):
     remedies = Remedies(GuardConfig())
     state = remedies.state_dict()
-    assert set(state) == {"clip", "dropout_zeroed", "scale_made_dynamic", "policy"}
-    assert set(state["policy"]) == {"lr_factor", "lr_rewarms", "lr_rewarm_wait", "lr_healthy_run",
-                                    "lr_last_healthy", "skip", "sightings", "refused_samples", "identities", "fp32"}
+    # Issue 40: one layout for every remedy, built-in or not: its state under remedies.<name>.
+    assert set(state) == {"policy", "remedies", "remedies_layout"} and state["policy"] == {}
+    assert {name: set(part) for name, part in state["remedies"].items()} == {
+        "clip": {"clip"}, "dropout": {"dropout_zeroed"}, "scale": {"scale_made_dynamic"},
+        "lr": {"lr_factor", "lr_rewarms", "lr_rewarm_wait", "lr_healthy_run", "lr_last_healthy"},
+        "quarantine": {"skip", "sightings", "refused_samples", "identities"}, "fp32": {"fp32"}}
     for cls in REMEDY_TYPES.values():  # an idle remedy is read from its declarations alone
         monkeypatch.setattr(cls, "summary", lambda self, io: pytest.fail(f"{self.name}.summary called"))
     summary = remedies.summary(FakeIO())
     assert summary == {"max_norm": None, "dropout_zeroed": False, "scale_made_dynamic": False, "lr_factor": 1.0,
                        "quarantined": [], "refused": [], "bad_samples": [], "fp32_modules": {}}
     assert remedies.config_entries(FakeIO()) == {}
+
+
+def test_a_checkpoint_of_the_older_layout_loads_into_each_remedys_own_entry():
+    # Before issue 40 the built-ins kept their state at the guard state's top level (clip, dropout, scale) or in its
+    # policy section (lr, quarantine, fp32); a run resumed from such a checkpoint keeps every value.
+    old = {"recoveries": 2, "clip": {"clip.max_norm": 1.0}, "dropout_zeroed": True, "scale_made_dynamic": False,
+           "policy": {"lr_factor": 0.25, "fp32": ["out"], "skip": {"indices": {"7": {"iteration": 3}}},
+                      "history": {}, "rung": 1}}
+    remedies = Remedies(GuardConfig())
+    remedies.load_state_dict(old)
+    assert remedies.get("clip").clip == {"clip.max_norm": 1.0} and remedies.get("dropout").dropout_zeroed
+    assert remedies.get("lr").lr_factor == 0.25 and remedies.get("fp32").fp32 == ["out"]
+    assert remedies.get("quarantine").skip["indices"] == {"7": {"iteration": 3}}
+    state = remedies.state_dict()
+    assert state["remedies"]["lr"]["lr_factor"] == 0.25 and state["remedies"]["clip"]["clip"] == {"clip.max_norm": 1.0}
+    # A checkpoint of the new layout never reads the old places: a remedy with no entry there keeps its defaults.
+    fresh = Remedies(GuardConfig())
+    fresh.load_state_dict(dict(state, remedies={"lr": {"lr_factor": 0.5}}, policy={"fp32": ["out"]}))
+    assert fresh.get("lr").lr_factor == 0.5 and fresh.get("fp32").fp32 == []
+
+
+def test_the_built_ins_fire_in_their_declared_order_and_one_registered_with_an_order_takes_its_place(registered):
+    assert [r.order for r in REMEDY_TYPES.values()] == sorted(r.order for r in REMEDY_TYPES.values())
+
+    class Early(Remedy):
+        name = "early"
+        order = 15  # between clip (10) and dropout (20)
+
+    registered(Early)
+    assert list(REMEDY_TYPES)[:3] == ["clip", "early", "dropout"]
+    assert [r.name for r in Remedies(GuardConfig()).all][:3] == ["clip", "early", "dropout"]
+
+    class Unordered(Remedy):
+        name = "unordered"
+        order = "late"
+
+    with pytest.raises(TypeError, match="Unordered.order must be an int"):
+        registered(Unordered)
 
 
 def test_clip_tightens_at_a_divergence_and_again_at_start_after_a_resume():
@@ -133,7 +174,8 @@ def test_lr_backoff_lasts_and_a_restore_tag_brings_an_older_state_back():
     out = remedies.restored(io, tags_before)
     assert io.opt.param_groups[0]["lr"] == 0.005 and out.changes
     assert remedies.restored(io, remedies.tags()).changes == ()  # the same factor: never called
-    assert remedies.tags_in({"policy": {"lr_factor": 0.25}}) == {"lr.lr_factor": 0.25}
+    assert remedies.tags_in({"remedies": {"lr": {"lr_factor": 0.25}}}) == {"lr.lr_factor": 0.25}
+    assert remedies.tags_in({"policy": {"lr_factor": 0.25}}) == {"lr.lr_factor": 0.25}  # a checkpoint's older layout
     assert remedies.tags_in(None) == {"lr.lr_factor": 1.0}
     assert _round_trip(remedies, config).get("lr").lr_factor == 0.5
 
@@ -233,11 +275,12 @@ def test_quarantine_takes_samples_evidence_names_and_those_named_at_two_skipped_
     assert exclude == [quarantine.skip_list] and quarantine.skip is None  # empty: idle, nothing saved
     c = Classification(Cause.DATA, "bad batch", signals={"iteration": 3})
     out = _fire(remedies, When.BEFORE_RESTORE, io, cls=c, samples=[{"index": 4}], iteration=3)
-    assert out.changes and list(quarantine.skip_list) == [4] and out.signals["quarantined"] == [{"index": 4}]
+    assert out.changes and list(quarantine.skip_list) == [4] and out.samples.quarantined == ({"index": 4},)
+    assert out.applied_to(c).signals["quarantined"] == [{"index": 4}]  # as the record shows it
     assert _fire(remedies, When.SKIPPED, io, samples=[{"index": 7}], epoch=0).changes == ()
     out = _fire(remedies, When.SKIPPED, io, samples=[{"index": 7}], epoch=1, iteration=9)
-    assert out.changes and out.signals["recurring"] == [{"index": 7}]
-    assert out.signals["reason"] == "made steps go wrong in epochs [0, 1]"
+    assert out.changes and out.samples.recurring == ({"index": 7},) and out.samples.quarantined == ({"index": 7},)
+    assert out.samples.reason == "made steps go wrong in epochs [0, 1]" and out.samples.bad_data is None
     again = _round_trip(remedies, config)
     _fire(again, When.ATTACH, io)
     assert list(again.get("quarantine").skip_list) == [4, 7]
@@ -378,7 +421,7 @@ def test_a_remedy_registered_from_outside_acts_on_its_cause_saves_its_state_and_
     assert {"optimizer0.group0.betas[1]", "clip.max_norm"} <= {x.target for x in changes}
     assert "Adam beta2 to 0.95" in policy.action_text(Cause.DYNAMICS)
     state = policy.state_dict()
-    assert state["remedies"] == {"beta2": {"beta2": 0.95}}
+    assert state["remedies"]["beta2"] == {"beta2": 0.95}  # where the built-ins' state sits too
     assert policy.summary(io)["beta2"] == 0.95
     entry = policy.remedies.config_entries(io)["beta2"]
     assert entry == ConfigEntry(carry={"beta2": 0.95})

@@ -154,7 +154,7 @@ def test_attention_overflowing_fp16_runs_in_fp32_afterwards(tmp_path):
     # Every batch overflows, on the healthy weights too: the weights did not grow into it, no rate changes.
     assert rec["cause"]["signals"]["weights_grew"] is False and not [a for a in rec["actions"] if ".lr" in a["target"]]
     assert fp32_modules(r.model) == [CORE] and guard_hook(r).guard.remedy("fp32").fp32 == [CORE]
-    assert r.meta["nan_guard"]["policy"]["fp32"] == [CORE]  # persisted for a resume
+    assert r.meta["nan_guard"]["remedies"]["fp32"]["fp32"] == [CORE]  # persisted for a resume
     # The trained model: the core is finite (fp32) under the model's fp16 autocast, and overflows once released.
     core = r.model.get_submodule(CORE)
     seen = []

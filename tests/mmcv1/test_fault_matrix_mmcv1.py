@@ -115,7 +115,7 @@ def test_sigkill_after_a_recovery_then_resume_keeps_remedies_and_counters(tmp_pa
     resume_from = os.path.join(wd, "latest.pth")
     assert os.path.realpath(resume_from) == os.path.join(os.path.realpath(wd), f"iter_{KILL_ITER}.pth")
     saved = safe_load(resume_from, extra_globals=())["meta"]["nan_guard"]
-    assert saved["recoveries"] == 1 and saved["dropout_zeroed"]
+    assert saved["recoveries"] == 1 and saved["remedies"]["dropout"]["dropout_zeroed"]
 
     r = build_runner(wd, runner="iter", amp=DYN, max_iters=12, guard=GUARD)  # the same run, without the fault
     assert opt_hook(r).grad_clip["max_norm"] == 35 and 0.1 in transformer_dropouts(r)  # a fresh process

@@ -486,7 +486,7 @@ class IncidentChain:
         msg = (f"NanGuard gave up at iter {inc.signals.iteration}: {why}. Last divergence: {inc.decision.reason}.\n"
                f"Remedies and rollbacks so far:\n{tried}\nIncident log: {self.log_path}")
         self.io.log(msg, "error")
-        inc.error = error(msg, inc.cls.signals["bad_data"]) if error is BadDataError else error(msg)
+        inc.error = error(msg, list(_bad_data(inc.cls) or [])) if error is BadDataError else error(msg)
         return Step.DONE
 
     def note(self, iteration: int, changes: List[Change]) -> None:
@@ -599,7 +599,7 @@ class _Divergence(_Kind):
             inc.cls = c.but(evidence=c.evidence + f"; {spent}, every divergence of late bad data: look at what every "
                                                   "sample goes through (the data pipeline's transforms, a wrong "
                                                   "normalisation) and at the files of the samples named")
-            if inc.cls.signals.get("bad_data") is not None:
+            if _bad_data(inc.cls) is not None:
                 _bad_data_stop(inc)
                 return Step.VERIFY
         inc.stop = (NanGuardGaveUp, spent)
@@ -609,7 +609,7 @@ class _Divergence(_Kind):
         if inc.cls.cause != Cause.STRUCTURAL:
             inc.cls, inc.changes = chain.policy.before_restore(inc.cls, chain.io, _bare(inc.agreed.samples),
                                                                chain.recoveries + 1)
-        if inc.cls.signals.get("bad_data"):  # samples the bound refused broke the run again: data, not a bug
+        if _bad_data(inc.cls):  # samples the bound refused broke the run again: data, not a bug
             _bad_data_stop(inc)
             return Step.VERIFY
         if inc.cls.cause == Cause.STRUCTURAL:
@@ -685,7 +685,7 @@ class _Skip(_Kind):
                                      epoch=inc.data_epoch)
         inc.changes = list(outcome.changes)
         inc.cls = outcome.applied_to(base)
-        if outcome.signals.get("bad_data") is not None:
+        if _bad_data(inc.cls) is not None:
             inc.cls = inc.cls.but(evidence=outcome.evidence.lstrip("; "))
             inc.decision = Decision(Verdict.DIVERGED, "refused bad samples broke the run again")
             _bad_data_stop(inc)
@@ -702,16 +702,15 @@ class _Skip(_Kind):
         # The skip's record holds what the evidence showed; what the remedies did with it is the recurring record's.
         records = [] if inc.kind == "overflow" else [
             chain._base(inc, Event.SKIP if skipped else Event.NONFINITE_LOSS, [], batch=listed, cls=inc.agreed.cls)]
-        recurred = (inc.cls.signals.get("recurring") if inc.cls is not None else None) or []
-        if recurred:
-            reason = str(inc.cls.signals.get("reason", ""))
-            records.append(chain._base(inc, Event.RECURRING_SAMPLE, inc.changes, batch=recurred,
-                                       quarantined=bool(inc.cls.signals.get("quarantined")),
-                                       decision=Decision(Verdict.OVERFLOW, reason)))
+        verdict = inc.cls.samples if inc.cls is not None else None
+        if verdict is not None and verdict.recurring:
+            records.append(chain._base(inc, Event.RECURRING_SAMPLE, inc.changes, batch=list(verdict.recurring),
+                                       quarantined=bool(verdict.quarantined),
+                                       decision=Decision(Verdict.OVERFLOW, verdict.reason)))
         return records
 
     def stopped_on(self, inc: Incident) -> Optional[List[Dict[str, Any]]]:
-        return list(inc.cls.signals.get("bad_data") or []) if inc.cls else None
+        return list(_bad_data(inc.cls) or []) if inc.cls else None
 
 
 #: Each entry type's steps (:class:`_Kind`).
@@ -728,9 +727,14 @@ def _looked_at(cls: Classification) -> Cause:
     return Cause.DYNAMICS if cls.signals.get("spent") == "ladder" else Cause.STRUCTURAL
 
 
+def _bad_data(cls: Optional[Classification]) -> Optional[Tuple[Dict[str, Any], ...]]:
+    """The samples the run stops on as bad data (None: no such verdict): what the remedies' :class:`SampleVerdict`
+    says."""
+    return cls.samples.bad_data if cls is not None and cls.samples is not None else None
+
+
 def _bad_data_stop(inc: Incident) -> None:
-    inc.stop = (BadDataError, f"a data problem, not a bug: {inc.cls.evidence}. "
-                              f"{bad_data_advice(inc.cls.signals['bad_data'])}")
+    inc.stop = (BadDataError, f"a data problem, not a bug: {inc.cls.evidence}. {bad_data_advice(_bad_data(inc.cls))}")
 
 
 def _bare(samples: Any) -> List[Dict[str, Any]]:
@@ -771,7 +775,7 @@ def _log_recovery(io: GuardIO, inc: Incident, budget: str, unrolled: str) -> Non
            f"({c.evidence}); {budget}: {where}; {len(inc.changes)} setting(s) changed", "warning")
     for change in inc.changes:
         io.log(f"NanGuard:   {change.target}: {change.old} -> {change.new}", "warning")
-    for sample in c.signals.get("quarantined") or []:
+    for sample in (c.samples.quarantined if c.samples is not None else ()):
         io.log("NanGuard:   quarantined: " + ", ".join(f"{k}={v}" for k, v in sample.items() if k != "evidence"),
                "warning")
     if inc.restored is not None:

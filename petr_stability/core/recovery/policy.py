@@ -23,7 +23,9 @@ from ..remedies.targets import CARRY_KEY, Targets
 
 __all__ = ["Rung", "LADDER", "Remedies", "CausePolicy"]
 
-_SECTIONS = ("", "policy")
+#: Where checkpoints written before every remedy had its own ``remedies.<name>`` entry kept the built-ins' state: the
+#: guard state's top level and its ``policy`` section (read back when a checkpoint has no entry for the remedy).
+_LEGACY_SECTIONS = ("", "policy")
 
 
 class Remedies:
@@ -78,7 +80,7 @@ class Remedies:
         left it; their outcomes as one (changes in order, the class's evidence and signals added up)."""
         changes: List[Any] = []
         signals: Dict[str, Any] = {}
-        evidence, cause, exclude = "", None, []
+        evidence, cause, exclude, samples = "", None, [], None
         for r in self.takers(event, ctx, names):
             method, arguments = r.handler(ctx)
             out = Outcome.of(method(*arguments))
@@ -89,11 +91,12 @@ class Remedies:
                 self.acted.add(r.name)
             changes += out.changes
             evidence, signals, cause = evidence + out.evidence, {**signals, **out.signals}, out.cause or cause
+            samples = out.samples or samples
             if out.exclude is not None:
                 exclude.append(out.exclude)
             if ctx.cls is not None:
                 ctx = replace(ctx, cls=out.applied_to(ctx.cls))
-        return Outcome(tuple(changes), evidence, signals, cause, exclude or None)
+        return Outcome(tuple(changes), evidence, signals, cause, exclude or None, samples=samples)
 
     def enforce(self, io: Any) -> List[Change]:
         """Every declared target in force (:meth:`~..remedies.targets.Targets.enforce`); nothing is entered where no
@@ -108,22 +111,21 @@ class Remedies:
 
     # ------------------------------------------------------------------ state, in one generic pass
     def _part(self, r: Remedy, state: Mapping[str, Any]) -> Mapping[str, Any]:
-        if r.section in _SECTIONS:
-            return dict(state.get(r.section) or {}) if r.section else state
-        return dict(dict(state.get("remedies") or {}).get(r.name) or {})
+        own = dict(state.get("remedies") or {})
+        if r.name in own or state.get("remedies_layout"):
+            return dict(own.get(r.name) or {})
+        legacy = [dict(state.get(s) or {}) if s else state for s in _LEGACY_SECTIONS]
+        return {k: part[k] for part in legacy for k in r.state if k in part}
 
     def state_dict(self) -> Dict[str, Any]:
-        """Their state as the guard's checkpoint state holds it: top-level keys, the ``policy`` section, and
-        ``remedies.<name>`` for registered types of users."""
-        state: Dict[str, Any] = {"policy": {}}
+        """Their state as the guard's checkpoint state holds it: ``remedies.<name>``, one entry per remedy with state
+        (``remedies_layout`` marks the layout; an older checkpoint's top-level keys and ``policy`` section load)."""
+        state: Dict[str, Any] = {"policy": {}, "remedies": {}, "remedies_layout": 2}
         if self.targets.by_remedy:
             state["targets"] = self.targets.state_dict()
         for r in self.all:
-            values = {k: copy.deepcopy(getattr(r, k)) for k in r.state}
-            if r.section in _SECTIONS:
-                (state["policy"] if r.section else state).update(values)
-            elif values:
-                state.setdefault("remedies", {})[r.name] = values
+            if r.state:
+                state["remedies"][r.name] = {k: copy.deepcopy(getattr(r, k)) for k in r.state}
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -247,7 +249,7 @@ class CausePolicy:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> Dict[str, Any]:
-        """The remedies' state (top-level keys and the ``policy`` section) with the policy's own in that section."""
+        """The remedies' state (``remedies.<name>``) and the policy's own (the ``policy`` section)."""
         state = self.remedies.state_dict()
         state["policy"].update(history=self.history.state_dict(), rung=self.rung)
         return state
@@ -380,7 +382,7 @@ class CausePolicy:
         self.history.record(as_seen, iteration, restored_to)
         # Samples taken, or named but refused for the bound: either way the next batch breaking at once shows every
         # batch breaks. Samples that could not be named at all (an iterable dataset without ids) prove nothing.
-        self.history.incidents[-1]["quarantined"] = bool(c.signals.get("quarantined") or c.signals.get("refused"))
+        self.history.incidents[-1]["quarantined"] = bool(c.samples and (c.samples.quarantined or c.samples.refused))
 
     # ------------------------------------------------------------------ the ladder
     def _dynamics(self) -> Tuple[str, ...]:

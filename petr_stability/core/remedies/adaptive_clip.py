@@ -14,6 +14,7 @@ class AdaptiveClip(Remedy):
     (``ctx.extra['spikes']``) and follows the clip remedy's bound after each incident."""
 
     name = "adaptive_clip"
+    order = 100
     label = "adaptive clip"
     switch = "adaptive_clip"
     settings = (Setting("adaptive_clip", False, is_bool, "clip at the recent mean + ``spike_z`` standard deviations "

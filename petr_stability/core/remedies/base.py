@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..causes import Cause, Classification
+from ..causes import Cause, Classification, SampleVerdict
 from ..port import Change
 from ..validate import Setting
 
@@ -79,6 +79,9 @@ class Outcome:
         targets: values it puts in force from now on (:class:`Target`): the framework applies them (their changes
             join :attr:`changes`) and keeps them in force. A key declared again replaces the earlier target.
             Defaults to ().
+        samples: what it did with the samples evidence named (:class:`~..causes.SampleVerdict`: quarantined,
+            refused, a stop on bad data), read by the chain as the class's ``samples`` and written in the record's
+            signals. Defaults to None.
     """
 
     changes: Tuple[Change, ...] = ()
@@ -87,6 +90,7 @@ class Outcome:
     cause: Optional[Cause] = None
     exclude: Any = None
     targets: Tuple[Target, ...] = ()
+    samples: Optional[SampleVerdict] = None
 
     @classmethod
     def of(cls, result: Union["Outcome", Sequence[Change], None]) -> "Outcome":
@@ -97,10 +101,11 @@ class Outcome:
 
     def applied_to(self, c: Classification) -> Classification:
         """``c`` with this outcome's evidence, signals and class (a new object: classes are immutable)."""
-        if not (self.evidence or self.signals or self.cause):
+        if not (self.evidence or self.signals or self.cause or self.samples):
             return c
-        return c.but(cause=self.cause or c.cause, evidence=c.evidence + self.evidence,
-                     signals={**c.signals, **self.signals})
+        samples = self.samples or c.samples
+        return c.but(cause=self.cause or c.cause, evidence=c.evidence + self.evidence, samples=samples,
+                     signals={**c.signals, **self.signals, **(self.samples.signals() if self.samples else {})})
 
 
 @dataclass(frozen=True)
@@ -230,10 +235,11 @@ class Remedy:
         restore: it is the rollback's switch: an incident of a class it serves rolls back while it is on. It takes no
             event for that (the chain asks; it is never called). Defaults to False.
         settings: its settings (the hook's arguments it adds), validated and documented here.
-        state: the attributes saved in checkpoints by the registry's one generic pass (their values at construction
-            are the defaults an old checkpoint without them loads).
-        section: where its state sits in the guard's checkpoint state: None (its own, ``remedies.<name>``: what a
-            user's remedy gets), or, for the built-ins' layout, ``''`` (top level) or ``'policy'``.
+        state: the attributes saved in checkpoints by the registry's one generic pass, under
+            ``remedies.<name>`` (their values at construction are the defaults an old checkpoint without them loads).
+        order: where it fires among the remedies taking one event (lower first; equal: registration order). The
+            built-ins declare 10 to 100 (the rollback's switch at 30, the learning rate at 50); defaults to 1000,
+            after them.
         tags: the :attr:`state` attributes each restore point records, so that a restore can bring them back
             (:attr:`When.RESTORED` fires only where a restored tag differs from the live value).
         idle: its summary while it has not acted (the registry reads it without calling the remedy).
@@ -252,7 +258,7 @@ class Remedy:
     restore: bool = False
     settings: Tuple[Setting, ...] = ()
     state: Tuple[str, ...] = ()
-    section: Optional[str] = None
+    order: int = 1000
     tags: Tuple[str, ...] = ()
     idle: Mapping[str, Any] = {}
     label: str = ""

@@ -34,6 +34,7 @@ class ClipRemedy(Remedy):
     incident); the bound it set per clip setting is re-applied on resume."""
 
     name = "clip"
+    order = 10
     label = KNOWN_MANUAL_FIX.format(max_norm=1)
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
     settings = (
@@ -43,7 +44,6 @@ class ClipRemedy(Remedy):
                 "by step); the last one stays. Overrides ``max_norm``."),
     )
     state = ("clip",)
-    section = ""
     idle = {"max_norm": None}
 
     def __init__(self, config: Any) -> None:

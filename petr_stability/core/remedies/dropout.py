@@ -100,6 +100,7 @@ class DropoutRemedy(Remedy):
     ``dropout_exclude``), again on resume."""
 
     name = "dropout"
+    order = 20
     label = "transformer dropout 0"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
     settings = (
@@ -109,7 +110,6 @@ class DropoutRemedy(Remedy):
                 "left alone (a backbone's DropPath is a regularizer, not the fault)."),
     )
     state = ("dropout_zeroed",)
-    section = ""
     idle = {"dropout_zeroed": False}
 
     def __init__(self, config: Any) -> None:

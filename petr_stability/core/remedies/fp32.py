@@ -124,13 +124,13 @@ class Fp32Remedy(Remedy):
     ``fp32_modules``, from the start; again on resume."""
 
     name = "fp32"
+    order = 80
     label = "module in fp32"
     causes = (Cause.FORWARD_OVERFLOW,)
     settings = (Setting("fp32_modules", (), is_names, "modules (names as ``model.named_modules()`` gives them) run "
                         "in fp32 from the start: what an earlier run's forward-overflow remedy learnt, as its patched "
                         "config carries it.", start=True),)
     state = ("fp32",)
-    section = "policy"
     idle = {"fp32_modules": {}}
 
     def __init__(self, config: Any) -> None:

@@ -103,6 +103,7 @@ class LrBackoff(Remedy):
     doubles the wait before the next."""
 
     name = "lr"
+    order = 50
     label = "learning rate x {lr_backoff:g} (schedules too)"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
     assists = (Cause.FORWARD_OVERFLOW,)
@@ -123,7 +124,6 @@ class LrBackoff(Remedy):
                         "before the rate is raised again by ``1 / lr_backoff`` toward the schedule's (never above "
                         "it); 0: a backoff lasts the run (docs/demo.md measures both)."))
     state = ("lr_factor", "lr_rewarms", "lr_rewarm_wait", "lr_healthy_run", "lr_last_healthy")
-    section = "policy"
     tags = ("lr_factor",)
     idle = {"lr_factor": 1.0}
 

@@ -92,6 +92,7 @@ class MomentsReset(Remedy):
     times the median), named before the restore and cleared after it; every tensor's where none is named."""
 
     name = "moments"
+    order = 60
     label = "optimizer moments reset"
     causes = (Cause.DYNAMICS, Cause.UNKNOWN)
     settings = (Setting("exploded_ratio", 100.0, is_number(1.0), "on the ladder's third rung, tensors whose "

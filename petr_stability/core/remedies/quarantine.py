@@ -4,7 +4,7 @@ bound, by evidence about each sample. Its bookkeeping (the skip list, the sample
 """
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..causes import Cause
+from ..causes import Cause, SampleVerdict
 from ..samples import resolve_indices
 from ..skiplist import SkipList, short_samples
 from ..validate import Setting, check_indices, check_list, check_number, is_bool
@@ -51,6 +51,7 @@ class Quarantine(Remedy):
     start."""
 
     name = "quarantine"
+    order = 70
     label = "quarantine"
     causes = (Cause.DATA,)
     settings = (
@@ -67,7 +68,6 @@ class Quarantine(Remedy):
                 "is quarantined within ``quarantine_fraction``."),
     )
     state = ("skip", "sightings", "refused_samples", "identities")
-    section = "policy"
     idle = {"quarantined": [], "refused": [], "bad_samples": []}
 
     def __init__(self, config: Any) -> None:
@@ -96,7 +96,7 @@ class Quarantine(Remedy):
         return self._incident(run.io, incident)
 
     def on_spent(self, run: Run, incident: Incident) -> Outcome:
-        return Outcome(signals={"bad_data": self.spent(run.io.dataset(), incident.samples)})
+        return Outcome(samples=SampleVerdict(bad_data=tuple(self.spent(run.io.dataset(), incident.samples))))
 
     def _attach(self, io: Any) -> SkipList:
         """The quarantine the training loader's sampler honours, sized for its dataset: a resumed run's quarantine and
@@ -180,17 +180,17 @@ class Quarantine(Remedy):
         if back:
             return Outcome(evidence=f"; {short_samples(back)}, refused by the quarantine's bound of "
                                     f"{self.skip_list.capacity} sample(s) before, broke the run again: a data "
-                                    "problem, not a bug", signals={"bad_data": self.bad_samples(found)})
+                                    "problem, not a bug",
+                           samples=SampleVerdict(bad_data=tuple(self.bad_samples(found))))
         before = self.skip_list.samples
         taken, refused = self._take_all(found, {"iteration": incident.iteration})
-        signals: Dict[str, Any] = {"quarantined": taken, "stored": self._stored(found, taken)} if taken else {}
         evidence = ""
         if refused:
-            signals["refused"] = refused
             evidence = (f"; quarantining {short_samples(refused)} would pass the bound of {self.skip_list.capacity} "
                         "sample(s) (quarantine_fraction): refused, not quarantined; the batch is skipped")
         changes = (Change("quarantine.samples", before, self.skip_list.samples),) if taken else ()
-        return Outcome(changes, evidence, signals)
+        return Outcome(changes, evidence, samples=SampleVerdict(tuple(taken), tuple(refused),
+                                                                stored=tuple(self._stored(found, taken))))
 
     def _take_all(self, found: List[Tuple[str, List[int], Dict[str, Any]]],
                   meta: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
@@ -276,15 +276,15 @@ class Quarantine(Remedy):
         epochs = sorted({e for k in recurring for e, _ in self.sightings.get(k, [])})
         chosen = [(k, found[k][0], found[k][1]) for k in recurring]
         if self.skip_list is None:
-            return Outcome(signals={"recurring": [found[k][1] for k in recurring], "quarantined": [],
-                                    "reason": f"made steps go wrong in epochs {epochs}; not quarantined: no training "
-                                              "loader to quarantine through"})
+            return Outcome(samples=SampleVerdict(recurring=tuple(found[k][1] for k in recurring),
+                                                 reason=f"made steps go wrong in epochs {epochs}; not quarantined: "
+                                                        "no training loader to quarantine through"))
         back = [found[k][1] for k in recurring if k in self.refused_samples]
         if back:
             return Outcome(evidence=f"; {short_samples(back, 8)}, refused by the quarantine's bound of "
                                     f"{self.skip_list.capacity} sample(s) (quarantine_fraction="
                                     f"{self.config.quarantine_fraction}), broke the run again",
-                           signals={"bad_data": self.bad_samples(chosen)})
+                           samples=SampleVerdict(bad_data=tuple(self.bad_samples(chosen))))
         before = self.skip_list.samples
         taken, refused = self._take_all(chosen, {"iteration": incident.iteration, "recurring": True})
         reason = (f"made steps go wrong in epochs {epochs}" if len(epochs) > 1 else
@@ -296,11 +296,9 @@ class Quarantine(Remedy):
         io.log(f"NanGuard: sample(s) {short_samples(taken + refused)} {reason}"
                    + ("; quarantined for the rest of the run" if taken else ""), "warning")
         changes = (Change("quarantine.samples", before, self.skip_list.samples),) if taken else ()
-        signals: Dict[str, Any] = {"recurring": taken + refused, "reason": reason, "quarantined": taken,
-                                   "stored": self._stored(chosen, taken)}
-        if refused:
-            signals["refused"] = refused
-        return Outcome(changes, f"; {short_samples(taken + refused)} {reason}", signals)
+        verdict = SampleVerdict(tuple(taken), tuple(refused), tuple(taken + refused),
+                                tuple(self._stored(chosen, taken)), reason=reason)
+        return Outcome(changes, f"; {short_samples(taken + refused)} {reason}", samples=verdict)
 
     # ------------------------------------------------------------------ state and what it put in force
     def load_value(self, key: str, value: Any) -> Any:

@@ -4,27 +4,23 @@
 the settings, the checkpoint state, the summary and the patched config are read from what is registered, so none can
 disagree with another. One run's instances are :class:`~..recovery.policy.Remedies`.
 """
+import importlib
+import inspect
+import os
+import pkgutil
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple, Type
 
+from ...configfix.patch import KNOWN_MANUAL_FIX
 from ..causes import Cause
-from .adaptive_clip import AdaptiveClip
 from .base import HANDLERS, Remedy, When
-from .clip import ClipRemedy
-from .dropout import DropoutRemedy
-from .fp32 import Fp32Remedy
-from .lr import LrBackoff
-from .moments import MomentsReset
-from .quarantine import Quarantine
-from .rollback import Rollback
-from .scale import ScaleDynamic
-from .temporal import TemporalReset
 
 __all__ = ["REMEDY_TYPES", "register_remedy", "remedy_types", "REMEDIES", "Rung", "LADDER", "ladder_of", "serving"]
 
 #: Every registered remedy type by name, in registration order (the built-ins first).
 REMEDY_TYPES: Dict[str, Type[Remedy]] = {}
-_SECTIONS = ("", "policy")
+#: The modules of this package that hold no remedy (the protocol, the registry, the targets' helper).
+_MACHINERY = ("base", "registry", "targets")
 
 
 def register_remedy(cls: Type[Remedy]) -> Type[Remedy]:
@@ -52,18 +48,33 @@ def register_remedy(cls: Type[Remedy]) -> Type[Remedy]:
                             f"method it overrides {[e.value for e in handled]}; leave events out")
         cls.events = handled or cls.events
     others = [r for r in REMEDY_TYPES.values() if r.name != cls.name]
-    taken = {(r.section, k) for r in others for k in r.state}
-    clash = [k for k in cls.state if (cls.section, k) in taken]
     names = {s.name for r in others for s in r.settings}
-    clash += [s.name for s in cls.settings if s.name in names]
+    clash = [s.name for s in cls.settings if s.name in names]
     if clash:
         raise ValueError(f"{cls.__name__} declares {clash}, taken by another remedy")
+    if not isinstance(cls.order, int) or isinstance(cls.order, bool):
+        raise TypeError(f"{cls.__name__}.order must be an int (where it fires among the remedies), got {cls.order!r}")
     REMEDY_TYPES[cls.name] = cls
+    ordered = sorted(REMEDY_TYPES.values(), key=lambda r: r.order)  # stable: equal orders keep registration order
+    REMEDY_TYPES.clear()
+    REMEDY_TYPES.update((r.name, r) for r in ordered)
     return cls
 
 
-for _builtin in (ClipRemedy, DropoutRemedy, Rollback, ScaleDynamic, LrBackoff, MomentsReset, Quarantine, Fp32Remedy,
-                 TemporalReset, AdaptiveClip):
+def _builtins() -> Tuple[Type[Remedy], ...]:
+    """The built-in remedies: the one :class:`~.base.Remedy` subclass each module of this package defines (a new
+    built-in is its module, its test and its docs row: nothing here lists them)."""
+    found = []
+    for info in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambda i: i.name):
+        if info.name in _MACHINERY or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__package__}.{info.name}")
+        found += [c for c in vars(module).values() if inspect.isclass(c) and issubclass(c, Remedy)
+                  and c is not Remedy and c.__module__ == module.__name__]
+    return tuple(found)
+
+
+for _builtin in _builtins():
     register_remedy(_builtin)
 
 #: The built-in remedies ``remedies=`` switches, and its default (docs/how-it-works.md, "Cause-aware recovery").
@@ -96,7 +107,7 @@ class Rung:
 #: ``lr_min_factor`` (a rate 5-8x too high needs three halvings: measured on the model zoo, docs/zoo.md); past the
 #: last rung the class is structural. ``ladder=`` replaces it.
 LADDER: Tuple[Rung, ...] = (
-    Rung(ClipRemedy.label, ("clip", "dropout")),
+    Rung(KNOWN_MANUAL_FIX.format(max_norm=1), ("clip", "dropout")),
     Rung("learning rate backoff", ("lr",), repeat=True),
     Rung("optimizer moments reset", ("moments",)),
 )

@@ -12,6 +12,7 @@ class Rollback(Remedy):
     (:attr:`~.base.Remedy.restore`) the chain reads for every class it serves, every class but structural."""
 
     name = "rollback"
+    order = 30
     label = "roll back"
     causes = (Cause.DATA, Cause.FORWARD_OVERFLOW, Cause.DYNAMICS, Cause.UNKNOWN)
     restore = True

@@ -11,9 +11,9 @@ class ScaleDynamic(Remedy):
     resume."""
 
     name = "scale"
+    order = 40
     label = "dynamic loss scale"
     state = ("scale_made_dynamic",)
-    section = ""
     idle = {"scale_made_dynamic": False}
 
     def __init__(self, config: Any) -> None:

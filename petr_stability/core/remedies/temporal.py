@@ -70,6 +70,7 @@ class TemporalReset(Remedy):
     the modules reset."""
 
     name = "temporal"
+    order = 90
     label = "temporal state reset"
     settings = (Setting("temporal_reset", ("reset_memory", "reset"), is_names, "methods called after every "
                         "rollback on modules that have them, to clear state kept outside ``state_dict()`` "

@@ -139,8 +139,9 @@ class AgreementScenarios:
         recurring = [r for r in records if r["event"] == "recurring_sample"]
         assert len(recurring) == 1 and recurring[0]["quarantined"]
         assert recurring[0]["batch"] == [{"index": BAD_BOX, "rank": 1}]  # rank 1's bad sample, alone
-        quarantined = sorted(int(i) for i in r0["guard"]["policy"]["skip"]["indices"])
-        assert quarantined == sorted(int(i) for i in r1["guard"]["policy"]["skip"]["indices"]) == [BAD_BOX]
+        quarantined = sorted(int(i) for i in r0["guard"]["remedies"]["quarantine"]["skip"]["indices"])
+        other = sorted(int(i) for i in r1["guard"]["remedies"]["quarantine"]["skip"]["indices"])
+        assert quarantined == other == [BAD_BOX]
         if "fp32" in scenario:  # every skip names rank 1's sample only
             skips = [r for r in records if r["event"] == "skip"]
             assert len(skips) == 2 and all(r["batch"] == [{"index": BAD_BOX, "rank": 1}] for r in skips)
@@ -155,7 +156,7 @@ class AgreementScenarios:
         assert rec["event"] == "divergence" and rec["cause"]["cause"] == "data"
         assert rec["cause"]["ranks"] == {"1": "data"} or rec["cause"]["ranks"]["1"] == "data"
         assert rec["cause"]["signals"]["quarantined"] == [{"index": BAD_BOX, "rank": 1}]
-        assert sorted(int(i) for i in r0["guard"]["policy"]["skip"]["indices"]) == [BAD_BOX]
+        assert sorted(int(i) for i in r0["guard"]["remedies"]["quarantine"]["skip"]["indices"]) == [BAD_BOX]
 
 
     def test_a_slow_rank_s_fault_is_recovered_on_both_ranks_one_iteration_later(self, tmp_path: Any) -> None:
