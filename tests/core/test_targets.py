@@ -185,3 +185,33 @@ def test_the_typed_protocol_gives_each_event_s_method_what_is_valid_there_and_re
                                         r"overrides \['after rollback'\]"):
         register_remedy(Disagrees)
     assert "disagrees_t" not in REMEDY_TYPES
+
+
+class StartsWarm(Remedy):
+    """A typed remedy whose ``on_start`` declares a target from its carried state (the next run's start)."""
+
+    name = "starts_warm"
+    state = ("decay",)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.decay = None
+
+    def on_start(self, run):
+        return Outcome(targets=(Target("weight_decay", self.decay),)) if self.decay is not None else None
+
+
+def test_a_carried_remedys_on_start_targets_are_kept_in_force_in_the_next_run():
+    # The next run gives a remedy its carried state, then fires start: a target its on_start declares is applied
+    # and held like any other (before, the carried start kept only the changes and dropped the targets).
+    register_remedy(StartsWarm)
+    try:
+        io = _io()
+        remedies = Remedies(GuardConfig(remedies=[dict(type="starts_warm")], carry={"starts_warm": {"decay": 0.002}}))
+        changes = remedies.reapply({"starts_warm": {"decay": 0.002}}, io, lambda *a: None)
+        assert [g["weight_decay"] for g in io.opt.param_groups] == [0.002, 0.002] and changes
+        assert remedies.targets.by_remedy["starts_warm"]["weight_decay"]["value"] == 0.002
+        io.opt.param_groups[0]["weight_decay"] = 0.01  # a restore that put the configured groups back
+        assert remedies.enforce(io) and io.opt.param_groups[0]["weight_decay"] == 0.002
+    finally:
+        REMEDY_TYPES.pop(StartsWarm.name, None)

@@ -198,12 +198,24 @@ class Remedies:
                 continue
             carried = dict(carried or {})
             targets = dict(carried.pop(CARRY_KEY, None) or {})
-            done = r.reapply(carried, self.context(io, When.START))
+            done = self._carried_in(r, carried, self.context(io, When.START))
             done += self.targets.take_carried(name, targets, io) if targets else []
             if done or targets:
                 self.acted.add(name)
             changes += done
         return changes
+
+
+    def _carried_in(self, r: Remedy, carried: Mapping[str, Any], ctx: Context) -> List[Change]:
+        """``r`` takes its carried state and acts as at start (what it declares as targets is kept in force)."""
+        if type(r).reapply is not Remedy.reapply:  # a remedy that re-applies itself
+            return list(r.reapply(carried, ctx))
+        r.carry_in(carried)
+        if When.START not in r.events or not r.match(ctx):
+            return []
+        method, arguments = r.handler(ctx)
+        out = Outcome.of(method(*arguments))
+        return list(out.changes) + (self.targets.declare(r.name, out.targets, ctx.io) if out.targets else [])
 
 
 class CausePolicy:

@@ -364,12 +364,18 @@ class Remedy:
         :meth:`reapply` in the next run)."""
         return ConfigEntry(carry={key: copy.deepcopy(getattr(self, key)) for key in self.state})
 
-    def reapply(self, carried: Mapping[str, Any], ctx: Context) -> List[Change]:
-        """The next run's start, from what :meth:`config_entry` carried: takes it as its state, then acts as at
-        :attr:`When.START`. Returns what that changed."""
+    def carry_in(self, carried: Mapping[str, Any]) -> None:
+        """The next run's start: takes what :meth:`config_entry` carried as its state (then :attr:`When.START`
+        fires, as after a resume)."""
         for key in self.state:
             if key in carried:
                 setattr(self, key, copy.deepcopy(carried[key]))
+
+    def reapply(self, carried: Mapping[str, Any], ctx: Context) -> List[Change]:
+        """:meth:`carry_in`, then acts as at :attr:`When.START`; returns what that changed. The guard calls
+        :meth:`carry_in` and fires the event itself (the targets an ``on_start`` declares are kept in force); a
+        remedy that overrides this method is called instead, as before."""
+        self.carry_in(carried)
         if When.START not in self.events or not self.match(ctx):
             return []
         return list(Outcome.of(self.apply(ctx)).changes)
