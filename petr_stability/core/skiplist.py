@@ -1,5 +1,6 @@
 """The quarantine's bookkeeping, apart from its policy (:class:`~.remedies.quarantine.Quarantine`): a bounded skip list
-of dataset indices, the sampler wrapper that never yields them again, and how a log line names samples.
+of dataset indices, the sampler wrapper that never yields them again, the ledger of the run's bad samples by what each
+is (:class:`SampleLedger`), and how a log line names samples.
 
 A sample the quarantine takes goes into a :class:`SkipList` (kept in the guard's checkpoint state, and in the patched
 config); the :class:`QuarantineSampler` around the loader's index source (:class:`~.tracking.SampleTracker` puts it
@@ -7,11 +8,14 @@ there) replaces its indices by healthy ones from then on, also after a resume. T
 samplers are duck-typed.
 """
 import math
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .samples import key as _key
+from .samples import resolve_indices
+from .wrappers import describe, identity, indices_serving, sample_of, wraps
 
-__all__ = ["SkipList", "QuarantineSampler", "short_samples", "bad_data_advice"]
+__all__ = ["SkipList", "QuarantineSampler", "SampleLedger", "short_samples", "bad_data_advice"]
 
 
 class SkipList:
@@ -259,6 +263,175 @@ class QuarantineSampler:
                 if value is _HOLE:
                     waiting[i] = index
                     self.replaced += 1
+
+
+#: Samples remembered for the recurrence rule (the newest kept): far more than any run's bad samples.
+_MAX_SIGHTINGS = 100000
+
+#: One sample as the ledger finds it: (its key, every dataset index serving it, how the record names it).
+Found = Tuple[str, List[int], Dict[str, Any]]
+
+
+class SampleLedger:
+    """The bad samples of a run, by what each is: the skip list the sampler honours (:attr:`skip_list`, from the
+    moment the loader exists), the samples the bound refused, each bad sample's identity (what the next run resolves
+    through its own wrappers) and the skipped steps at which evidence named a sample. The quarantine remedy decides
+    what goes in; this keeps the books.
+
+    Args:
+        holder: where the books' three dicts live (the remedy, whose checkpoint state they are, loaded in place):
+            ``sightings`` (sample -> the at most two [epoch, dataset index] at which evidence named it at a skipped
+            step), ``refused_samples`` (sample -> how its record named it, for the samples the bound refused) and
+            ``identities`` (bad sample -> what it is, :func:`~.wrappers.identity`: what a resume, and the next run
+            from the patched config, resolve through their own dataset wrappers). None: the ledger's own.
+    """
+
+    def __init__(self, holder: Any = None) -> None:
+        #: The live skip list (None until the loader exists).
+        self.skip_list: Optional[SkipList] = None
+        if holder is None:
+            holder = SimpleNamespace(sightings={}, refused_samples={}, identities={})
+        self.holder = holder
+
+    @property
+    def sightings(self) -> Dict[str, List[List[int]]]:
+        return self.holder.sightings
+
+    @property
+    def refused_samples(self) -> Dict[str, Dict[str, Any]]:
+        return self.holder.refused_samples
+
+    @property
+    def identities(self) -> Dict[str, Dict[str, Any]]:
+        return self.holder.identities
+
+    # ------------------------------------------------------------------ naming samples by what they are
+    def identify(self, dataset: Any, named: Sequence[Mapping[str, Any]]) -> List[Found]:
+        """(sample, every dataset index serving it, how the record names it) for each distinct sample of ``named``.
+
+        A sample is known by where it lives (through the dataset wrappers, :func:`~.wrappers.sample_of`), else, past
+        a wrapper not known here, by the ids the data carries (``token``, ``sample_idx``), else by its index alone.
+        """
+        out: List[Found] = []
+        seen = set()
+        for sample in named:
+            found = self.identify_one(dataset, dict(sample))
+            if found is not None and found[0] not in seen:
+                seen.add(found[0])
+                out.append(found)
+        return out
+
+    def identify_one(self, dataset: Any, sample: Dict[str, Any]) -> Optional[Found]:
+        """:meth:`identify` for one sample (None where nothing names it); its identity is kept."""
+        found = _name_sample(dataset, sample, self._indices_of)
+        if found is not None and dataset is not None and found[0] not in self.identities:
+            # What the next run resolves through its own wrappers (another seed, another table): kept for the samples
+            # named bad, quarantined or refused.
+            self.identities[found[0]] = identity(dataset, found[2]["index"])
+        return found
+
+    def _indices_of(self, key: str) -> List[int]:
+        known = self.refused_samples.get(key, {}).get("served_as", [])
+        return list(known) + (self.skip_list.indices_of(key) if self.skip_list is not None else [])
+
+    def quarantined(self, key: str) -> bool:
+        """Whether the sample ``key`` is in the skip list."""
+        return self.skip_list is not None and self.skip_list.has_sample(key)
+
+    # ------------------------------------------------------------------ taking, refusing, remembering
+    def take_all(self, found: Sequence[Found],
+                 meta: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+        """Puts ``found`` in the skip list, all of them or, past its bound, none (refused and remembered). Returns
+        (taken, refused), as records name them."""
+        taken, refused = [], []
+        skip = self.skip_list
+        fresh = [key for key, _, _ in found if not skip.has_sample(key)]
+        fits = skip.samples + len(fresh) <= skip.capacity  # all of a batch's samples, or none of them
+        for key, indices, named in found:
+            if fits and skip.add(indices, dict(meta, sample=key), sample=key):
+                taken.append(named)
+                self.refused_samples.pop(key, None)
+            else:
+                refused.append(named)
+                self.refused_samples[key] = _served(named, indices)
+        return taken, refused
+
+    def refuse(self, found: Sequence[Found]) -> None:
+        """Remembers the samples of ``found`` not quarantined as refused (the patched config names them too)."""
+        for key, indices, named in found:
+            if not self.quarantined(key):
+                self.refused_samples[key] = _served(named, indices)
+
+    def stored(self, found: Sequence[Found], taken: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """For each sample of ``taken`` (in order), the identity stored for the next run (:attr:`identities`)."""
+        by_named = [(named, key) for key, _, named in found]
+        return [dict(self.identities.get(next((k for n, k in by_named if n is s), ""), {"index": s.get("index")}))
+                for s in taken]
+
+    def bad(self, found: Sequence[Found] = ()) -> Dict[str, Dict[str, Any]]:
+        """Every bad sample this run found, by key, as records name them: quarantined, refused, and ``found``."""
+        out: Dict[str, Dict[str, Any]] = {}
+        if self.skip_list is not None:
+            for key, indices in self.skip_list.by_sample().items():
+                first = self.skip_list.meta(indices[0]) if indices else {}
+                out[key] = {"index": indices[0], "served_as": sorted(indices)} if len(indices) > 1 else \
+                    {"index": indices[0]}
+                if first.get("from"):
+                    out[key]["from"] = first["from"]
+        out.update({k: dict(v) for k, v in self.refused_samples.items()})
+        out.update({k: _served(named, indices) for k, indices, named in found})
+        return out
+
+    def sighted(self, found: Mapping[str, Tuple[List[int], Dict[str, Any]]], epoch: int) -> List[str]:
+        """Remembers that evidence named these samples at a skipped step in ``epoch``; returns those now named twice,
+        in two different epochs or under two different indices (a resampling wrapper serves it again in the same
+        pass), and not yet quarantined."""
+        twice = []
+        for key, (_, named) in found.items():
+            seen = self.sightings.setdefault(key, [])
+            mark = [int(epoch), int(named.get("index", -1))]
+            if mark not in seen:
+                seen.append(mark)
+                del seen[:-2]  # two sightings decide
+            if len(seen) >= 2 and not self.quarantined(key):
+                twice.append(key)
+        while len(self.sightings) > _MAX_SIGHTINGS:  # oldest first (dicts keep insertion order)
+            self.sightings.pop(next(iter(self.sightings)))
+        return twice
+
+
+def _name_sample(dataset: Any, sample: Dict[str, Any], known: Callable[[str], List[int]]
+                 ) -> Optional[Tuple[str, List[int], Dict[str, Any]]]:
+    """(sample key, every dataset index serving it, how the record names it) for one sample a record names; ``known``
+    gives the indices already seen serving a key (a sample known by its ids alone)."""
+    index = sample.get("index")
+    ids = {k: sample[k] for k in ("token", "sample_idx") if sample.get(k) is not None}
+    if index is None:
+        indices = resolve_indices(dataset, [sample]) if ids else []
+        if not indices:
+            return None
+        index = indices[0]
+    index = int(index)
+    try:
+        where = sample_of(dataset, index) if dataset is not None else None
+    except Exception:  # noqa: BLE001 (naming is evidence only: an index a wrapper cannot map names itself)
+        where = None
+    if where is not None and where.known and wraps(dataset):
+        key, indices = f"sample:{where.key}", indices_serving(dataset, index)
+    elif ids:  # past a wrapper of the user's own: the ids the data carries say which sample it is
+        key = "ids:" + ",".join(f"{k}={v}" for k, v in sorted(ids.items()))
+        indices = sorted({index} | set(resolve_indices(dataset, [ids])) | set(known(key)))
+    else:
+        key, indices = f"index:{index}", [index]
+    named = dict(sample, index=index)
+    if wraps(dataset):
+        named.update(describe(dataset, indices))
+    return key, indices, named
+
+
+def _served(named: Dict[str, Any], indices: Sequence[int]) -> Dict[str, Any]:
+    """How a record names a bad sample with every index it is served under."""
+    return dict(named, served_as=sorted(set(indices)))
 
 
 def short_samples(samples: List[Dict[str, Any]], limit: int = 4) -> str:
