@@ -31,7 +31,7 @@ from .watch.health import HealthChecks
 from .watch.replicas import ReplicaCheck
 from .watch.spikes import GradNormMonitor, StabilityWatch
 
-__all__ = ["NanGuard", "skip_kind", "publish"]
+__all__ = ["NanGuard", "HealthyPath", "skip_kind", "publish"]
 
 
 class _Step(NamedTuple):
@@ -45,18 +45,6 @@ class _Step(NamedTuple):
     epoch: int
     #: Taken at the step's own iteration while its verdict is agreed; enters the ring only if that verdict is healthy.
     snapshot: Optional[Snapshot] = None
-
-
-def _snapshot_ahead(points: RestorePoints, iteration: int, epoch: int, generation: int,
-                    tags: Dict[str, Any], at_trouble: bool = False) -> Snapshot:
-    """The snapshot of a step whose verdict is still being agreed (or where trouble starts), taken now (the state moves
-    on). It reuses the buffers of the ring's next evictable snapshot, which leaves the ring now on every rank alike (no
-    more host memory), and it enters the ring once the step's agreed verdict allows (a state of a path that diverged
-    never does)."""
-    snap = points.take(iteration, epoch, recycle=True, generation=generation, tags=tags, at_trouble=at_trouble)
-    points.ring.add(snap)  # evicts the snapshot whose buffers it reused, as every add does...
-    points.ring.snapshots.remove(snap)  # ...and waits outside the ring for its verdict
-    return snap
 
 
 def skip_kind(signals: StepSignals) -> str:
@@ -81,14 +69,73 @@ def _judged(stability: StabilityWatch, signals: StepSignals, decision: Decision)
     return decision if why is None else Decision(Verdict.UNSTABLE, why)
 
 
-def _early_warning(spikes: GradNormMonitor, io: GuardIO, grad_norm: Optional[float], iteration: int) -> None:
-    """The grad_norm early warning (and the adaptive clip's statistics) from the host float the runner logged: no
-    device read."""
-    if grad_norm is None:
-        return
-    warning = spikes.observe(grad_norm, iteration)
-    if warning:
-        io.log(f"NanGuard: early warning: {warning}", "warning")
+class HealthyPath:
+    """What the run keeps from its healthy steps: the restore points (a snapshot of the first healthy step, then every
+    ``snapshot_interval`` iterations, one where trouble starts, one ahead of a verdict still being agreed), their
+    confirmation by stable steps, the stable band and the grad_norm early warning, the remedies' healthy event, and the
+    chain closing once a recovery held.
+
+    Args:
+        config: the settings.
+        io: the runner adapter.
+        points: the run's restore points.
+        policy: the remedies' policy (their restore tags, their healthy event).
+        chain: the incident chain (its generation counter; it closes on a confirmed state).
+    """
+
+    def __init__(self, config: GuardConfig, io: GuardIO, points: RestorePoints, policy: CausePolicy,
+                 chain: IncidentChain) -> None:
+        self.config, self.io, self.points, self.policy, self.chain = config, io, points, policy, chain
+        self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
+        #: Healthy means stable: an applied step whose loss or grad_norm leaves the run's band confirms no snapshot.
+        self.stability = StabilityWatch(config.stability_window, config.stability_z, config.stability_ratio,
+                                        config.stability_warmup)
+
+    def due(self, stepped: bool, iteration: int) -> bool:
+        """Whether this step's state is snapshotted: the first healthy step of a run (or after the ring was emptied)
+        at once, so a state to return to exists as early as possible; then every ``snapshot_interval`` iterations."""
+        return stepped and (len(self.points.ring) == 0 or iteration % self.config.snapshot_interval == 0)
+
+    def judged(self, step: "_Step") -> "_Step":
+        """The step with its trouble snapshot where a streak of skipped steps starts: the first skipped step left the
+        last applied step's weights, checked finite (not inside a loss explosion: the state before the streak is on
+        its path then, no restore point)."""
+        if step.decision.streak_start and step.signals.weights_finite is True and self.stability.trouble_since is None:
+            return step._replace(snapshot=self.ahead(step.signals.iteration, step.epoch, at_trouble=True))
+        return step
+
+    def ahead(self, iteration: int, epoch: int, at_trouble: bool = False) -> Snapshot:
+        """The snapshot of a step whose verdict is still being agreed (or where trouble starts), taken now (the state
+        moves on). It reuses the buffers of the ring's next evictable snapshot, which leaves the ring now on every
+        rank alike (no more host memory), and it enters the ring once the step's agreed verdict allows (a state of a
+        path that diverged never does)."""
+        snap = self.points.take(iteration, epoch, recycle=True, generation=self.chain.recoveries,
+                                tags=self.policy.tags(), at_trouble=at_trouble)
+        self.points.ring.add(snap)  # evicts the snapshot whose buffers it reused, as every add does...
+        self.points.ring.snapshots.remove(snap)  # ...and waits outside the ring for its verdict
+        return snap
+
+    def step(self, signals: StepSignals, stable: bool, why: str, snapshot_due: bool,
+             taken: Optional[Snapshot] = None) -> None:
+        """An applied step agreed healthy (``stable``) or out of the band."""
+        iteration = signals.iteration
+        if signals.grad_norm is not None:  # from the host float the runner logged: no device read
+            warning = self.spikes.observe(signals.grad_norm, iteration)
+            if warning:
+                self.io.log(f"NanGuard: early warning: {warning}", "warning")
+        if self.stability.update(signals.loss, signals.grad_norm, not stable, iteration):
+            self.io.log(f"NanGuard: trouble at iter {iteration}: {why}; no snapshot is confirmed until "
+                        f"{self.config.confirm_steps} stable steps in a row follow it", "warning")
+        self.points.ring.tick(stable)
+        if stable:
+            self.policy.on_healthy(self.io, self.spikes, iteration)
+            self.chain.close_if_held()
+        if taken is not None:  # taken at its own iteration, its verdict agreed healthy since
+            self.points.ring.add(taken)
+        elif snapshot_due:
+            _, epoch = self.io.completed(inside=True)
+            self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.chain.recoveries,
+                                                  tags=self.policy.tags()))
 
 
 class NanGuard:
@@ -110,10 +157,9 @@ class NanGuard:
                                     self.policy.remedies.tags_in)
         self.batches = BatchWatch(io)
         self.chain = IncidentChain(config, io, self.points, self.policy, self.batches, self.incidents.path)
-        self.spikes = GradNormMonitor(config.spike_window, config.spike_z, config.spike_warmup)
-        #: Healthy means stable: an applied step whose loss or grad_norm leaves the run's band confirms no snapshot.
-        self.stability = StabilityWatch(config.stability_window, config.stability_z, config.stability_ratio,
-                                        config.stability_warmup)
+        #: The healthy steps' job: restore points, their confirmation, the stable band, the early warning.
+        self.healthy = HealthyPath(config, io, self.points, self.policy, self.chain)
+        self.spikes, self.stability = self.healthy.spikes, self.healthy.stability
         #: Each step's verdict agreed across ranks: under a process group one iteration later, off the critical path.
         self.agreement = StepAgreement()
         #: The health checks each step gets (what holds -inf/+inf by design as the run starts is no incident).
@@ -210,18 +256,10 @@ class NanGuard:
         signals = StepSignals(iteration, reading.stepped, reading.grad_norm, reading.loss, None, self.io.scale_mode())
         if reading.skipped_by_guard:
             signals.step_applied = False
-        # The first healthy step of a run (or after the ring was emptied) is snapshotted at once, so a state to
-        # return to exists as early as possible; then every snapshot_interval iterations.
-        snapshot_due = reading.stepped and (len(self.points.ring) == 0
-                                            or iteration % self.config.snapshot_interval == 0)
+        snapshot_due = self.healthy.due(reading.stepped, iteration)
         self._check(signals, snapshot_due)
         judged = _judged(self.stability, signals, self.detector.observe(signals))
-        step = _Step(signals, judged, reading, snapshot_due, epoch)
-        if step.decision.streak_start and signals.weights_finite is True and self.stability.trouble_since is None:
-            # (Not inside a loss explosion: the state before the streak is on its path then, no restore point.)
-            # Trouble starts: the first skipped step of a streak left the last applied step's weights, checked finite.
-            step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
-                                                          self.policy.tags(), at_trouble=True))
+        step = self.healthy.judged(_Step(signals, judged, reading, snapshot_due, epoch))
         decision, rolled_back = self._act_on_pending(True) if self.agreement.pending else (step.decision, False)
         if self.replicas.pending is not None:  # a replica check issued at an earlier iteration
             step = self._read_replicas(True, step)
@@ -229,8 +267,7 @@ class NanGuard:
             pass  # this iteration belongs to the abandoned path: its verdict is never sent
         elif self.agreement.defers() and len(self.points.ring) > 0 and not self.io.verdict_due_now():
             if snapshot_due and step.snapshot is None:
-                step = step._replace(snapshot=_snapshot_ahead(self.points, iteration, epoch, self.recoveries,
-                                                              self.policy.tags()))
+                step = step._replace(snapshot=self.healthy.ahead(iteration, epoch))
             self.agreement.submit(step.decision.verdict, step)
             self.batches.hold()
         else:
@@ -247,8 +284,8 @@ class NanGuard:
             decision = Decision(agreed, f"another rank reported {agreed.name} ({decision.reason or 'here: healthy'})")
         if agreed in (Verdict.HEALTHY, Verdict.UNSTABLE):
             if reading.stepped:
-                self._on_healthy(signals, agreed == Verdict.HEALTHY, decision.reason, step.snapshot_due,
-                                 step.snapshot)
+                self.healthy.step(signals, agreed == Verdict.HEALTHY, decision.reason, step.snapshot_due,
+                                  step.snapshot)
         elif agreed == Verdict.OVERFLOW:
             if step.snapshot is not None and step.snapshot.at_trouble:
                 self.points.ring.add(step.snapshot)  # where the trouble started: bad data's restore point
@@ -309,24 +346,6 @@ class NanGuard:
         if signals.loss_scale is None and signals.weights_finite is not None:
             # A check already waited for the device here: publish the scale too, for the logs and the report.
             signals.loss_scale = self.io.loss_scale()
-
-    def _on_healthy(self, signals: StepSignals, stable: bool, why: str, snapshot_due: bool,
-                    taken: Optional[Snapshot] = None) -> None:
-        iteration = signals.iteration
-        _early_warning(self.spikes, self.io, signals.grad_norm, iteration)
-        if self.stability.update(signals.loss, signals.grad_norm, not stable, iteration):
-            self.io.log(f"NanGuard: trouble at iter {iteration}: {why}; no snapshot is confirmed until "
-                        f"{self.config.confirm_steps} stable steps in a row follow it", "warning")
-        self.points.ring.tick(stable)
-        if stable:
-            self.policy.on_healthy(self.io, self.spikes, iteration)
-            self.chain.close_if_held()
-        if taken is not None:  # taken at its own iteration, its verdict agreed healthy since
-            self.points.ring.add(taken)
-        elif snapshot_due:
-            _, epoch = self.io.completed(inside=True)
-            self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.recoveries,
-                                                  tags=self.policy.tags()))
 
     # ------------------------------------------------------------------ recovery
     def _incident(self, entry: Entry, signals: StepSignals, decision: Decision, inside: bool,

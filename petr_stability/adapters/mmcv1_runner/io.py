@@ -18,7 +18,6 @@ MMCV 1.x facts this adapter handles (``docs``: RUNNER-INTERNALS, "MMCV 1.x"):
   ``is_last_iter``) and take ``divisible_iters`` / ``remainder_iters`` from ``max_iters``: the rewound ``_iter`` puts
   the run back on the restored iteration's window, and a restore zeroes what the abandoned path summed.
 """
-import glob
 import logging
 import os
 import sys
@@ -28,13 +27,13 @@ import torch
 from mmcv.parallel import is_module_wrapper
 from mmcv.runner import IterBasedRunner, OptimizerHook
 
-from ...configfix.load import load_config_text
 from ...core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
 from ...core.recovery.snapshot import copy_to_host
 from ...core.remedies import Change
-from ...core.safe_load import safe_load
 from ...core.watch.probe import ClipProbe, observing_clip
 from ..driver import STATE_KEY
+from .checkpoint_role import ITER_MARK as _ITER_MARK
+from .checkpoint_role import CheckpointRole, completed_iters
 from .dashboards import LogView
 from .saves import SaveWatch
 
@@ -42,12 +41,9 @@ __all__ = ["MMCV1IO", "completed_iters"]
 
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
-#: Iteration counter at ``before_train_iter``, kept in the state so that a checkpoint tells an in-iteration
-#: save (``meta['iter']`` is that iteration's 0-based counter) from an epoch-end save (already incremented).
-_ITER_MARK = "iter_open"
 
 
-class MMCV1IO(GuardIO):
+class MMCV1IO(CheckpointRole, GuardIO):
     """Where an MMCV 1.x runner keeps what the guard reads and changes."""
 
     def __init__(self, runner: Any) -> None:
@@ -203,22 +199,6 @@ class MMCV1IO(GuardIO):
 
         return forward
 
-    def checkpoint_files(self) -> List[str]:
-        dirs = {self.work_dir} | {h.out_dir for h in self.saves.hooks if getattr(h, "out_dir", None)}
-        paths = [p for d in dirs if d for p in glob.glob(os.path.join(d, "*.pth")) if not os.path.islink(p)]
-        return sorted(set(paths), key=os.path.getmtime, reverse=True)
-
-    def read_checkpoint(self, path: str) -> Tuple[Payload, Optional[Dict[str, Any]]]:
-        # MMCV 1.x meta holds only builtins (strings, numbers, dicts, lists, tuples): no extra globals.
-        ckpt = safe_load(path, extra_globals=())
-        meta = ckpt.get("meta", {})
-        optimizer = ckpt.get("optimizer", {})
-        ckpt["optimizer"] = {"": optimizer} if "param_groups" in optimizer else optimizer
-        ckpt["fp16"] = meta.get("fp16", {})
-        payload = Payload(ckpt, completed_iters(meta, self.runner), int(meta.get("epoch", 0)), source=path,
-                          strict=False)
-        return payload, meta.get(STATE_KEY)
-
     def make_scale_dynamic(self) -> Optional[Change]:
         if self._fp16() and self.opt_hook._scale_update_param is not None:
             old = self.opt_hook._scale_update_param
@@ -262,44 +242,12 @@ class MMCV1IO(GuardIO):
         self.saves.leave_finite()
 
     # -- output
-    def store_state(self, state: Dict[str, Any]) -> None:
-        """Keeps the guard's state in ``runner.meta`` (saved in every checkpoint, as ``runner.meta['fp16']`` is)."""
-        if self.runner.meta is None:
-            self.runner.meta = {}
-        mark = (self.runner.meta.get(STATE_KEY) or {}).get(_ITER_MARK)
-        self.runner.meta[STATE_KEY] = dict(state, **{_ITER_MARK: mark})
-
     def mark_iter_start(self) -> None:
         """As each iteration starts: its counter into the stored state (a save tells an in-iteration save from an
         epoch-end one), and the grad_norm log's length (did the OptimizerHook log one during it)."""
         self.runner.meta[STATE_KEY][_ITER_MARK] = self.runner.iter
         self._logged_norms = len(self._norm_history())
         self.logs.mark()
-
-    def resumed_state(self) -> Optional[Dict[str, Any]]:
-        """The guard's state of a resumed run: ``runner.meta``, or the checkpoint ``IterBasedRunner.resume`` read."""
-        state = (self.runner.meta or {}).get(STATE_KEY)
-        if state is None and self.runner.iter > 0:
-            state = self._state_of_resumed()
-        return state
-
-    def _state_of_resumed(self) -> Optional[Dict[str, Any]]:
-        # IterBasedRunner.resume keeps its own runner.meta: find the checkpoint it resumed from by its counters.
-        runner = self.runner
-        for path in _resumed_from(self.run_config(), self.work_dir) + self.checkpoint_files():
-            try:
-                meta = safe_load(path, extra_globals=()).get("meta", {})
-            except Exception:  # a foreign or truncated file is simply not the one
-                continue
-            if int(meta.get("iter", -1)) == runner.iter and int(meta.get("epoch", -1)) == runner.epoch:
-                scaler_state = (meta.get("fp16") or {}).get("loss_scaler")
-                if scaler_state is not None and self._fp16():
-                    self.opt_hook.loss_scaler.load_state_dict(scaler_state)
-                    runner.meta.setdefault("fp16", {})["loss_scaler"] = scaler_state
-                self.log(f"NanGuard: resumed guard state (and loss scale) from {path}, which "
-                         "IterBasedRunner.resume does not copy into runner.meta")
-                return meta.get(STATE_KEY)
-        return None
 
     def train_loader(self) -> Any:
         # Set by the runner as training starts (EpochBasedRunner.train, IterBasedRunner.train: an IterLoader); before
@@ -338,21 +286,6 @@ class MMCV1IO(GuardIO):
         self.logs.add_text(tag, text, step, self.log)
 
 
-def completed_iters(meta: Dict[str, Any], runner: Any) -> int:
-    """Iterations completed when an MMCV 1.x checkpoint was written.
-
-    ``meta['iter']`` is the runner's counter at the save: the iteration's own 0-based counter for a save in
-    ``after_train_iter`` (``IterBasedRunner``, or ``by_epoch=False``), the completed count for a save in
-    ``after_train_epoch``. The guard's mark in ``meta['nan_guard']`` tells them apart; without it the runner
-    type decides.
-    """
-    it = int(meta.get("iter", 0))
-    mark = (meta.get(STATE_KEY) or {}).get(_ITER_MARK)
-    if mark is not None:
-        return it + 1 if int(mark) == it else it
-    return it + 1 if isinstance(runner, IterBasedRunner) else it
-
-
 def _given_loader(runner: Any) -> Any:
     """The training ``DataLoader`` ``runner.run(data_loaders, workflow)`` was given, read from its frame while its hooks
     run (``before_run``): MMCV 1.x's ``IterBasedRunner`` keeps it in that local until its first iteration has fetched a
@@ -368,15 +301,3 @@ def _given_loader(runner: Any) -> Any:
             return loaders[flows.index("train")] if "train" in flows and len(loaders) == len(flows) else None
         frame = frame.f_back
     return None
-
-
-def _resumed_from(config: Optional[RunConfig], work_dir: str) -> List[str]:
-    """The config's resume_from (mmdet / mmdet3d 0.x tools/train.py keep cfg.pretty_text in runner.meta): a checkpoint
-    of another run's directory, which checkpoint_files() does not list."""
-    if config is None:
-        return []
-    try:
-        path = load_config_text(config.config, base_dir=work_dir).get("resume_from")
-    except Exception:  # a config text that cannot be read again names no file
-        return []
-    return [path] if isinstance(path, str) and os.path.isfile(path) else []

@@ -1,13 +1,11 @@
 """Where an MMEngine runner (plain MMEngine and mmdet3d 1.x scopes) keeps what the guard reads and changes."""
 import copy
-import glob
 import logging
 import math
-import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from mmengine.hooks import CheckpointHook, EMAHook
+from mmengine.hooks import EMAHook
 from mmengine.logging import MMLogger
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapperDict
@@ -15,14 +13,14 @@ from mmengine.runner import IterBasedTrainLoop
 
 from ...core.flags import HAS_SAFE_GLOBALS, WEIGHTS_ONLY_IS_DEFAULT
 from ...core.port import ClipSetting, GuardIO, Payload, RunConfig, StepReading
-from ...core.recovery.snapshot import copy_to_host, load_optimizer_state
+from ...core.recovery.snapshot import load_optimizer_state
 from ...core.remedies import Change
 from ...core.safe_load import resolve_globals
 from ...core.watch.probe import ClipProbe, observing_clip
-from ..driver import STATE_KEY
-from .checkpoints import MMENGINE_CHECKPOINT_GLOBALS, load_mmengine_checkpoint
+from .checkpoint_role import CheckpointRole
+from .checkpoints import MMENGINE_CHECKPOINT_GLOBALS
 from .dashboards import StepsRun, abandoned_values, add_text, publish_latest
-from .private import inner_count, set_inner_count, set_log_scalars, set_loop_iter, swap_ema_state_dict
+from .private import inner_count, set_inner_count, set_log_scalars, set_loop_iter
 
 __all__ = ["MMEngineIO", "allow_mmengine_resume"]
 
@@ -30,7 +28,7 @@ __all__ = ["MMEngineIO", "allow_mmengine_resume"]
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-class MMEngineIO(GuardIO):
+class MMEngineIO(CheckpointRole, GuardIO):
     """Where an MMEngine runner keeps what the guard reads and changes."""
 
     def __init__(self, runner: Any) -> None:
@@ -195,38 +193,6 @@ class MMEngineIO(GuardIO):
             if scaler_state is not None and hasattr(w, "loss_scaler"):
                 w.loss_scaler.load_state_dict(copy.deepcopy(scaler_state))
 
-    def fill_checkpoint(self, checkpoint: Dict[str, Any], completed: int) -> None:
-        """Rewrites a checkpoint being saved from the live (just restored) state."""
-        checkpoint["state_dict"] = copy_to_host(self.model().state_dict())
-        if "optimizer" in checkpoint:
-            checkpoint["optimizer"] = copy_to_host(self.runner.optim_wrapper.state_dict())
-        if "param_schedulers" in checkpoint and isinstance(checkpoint["param_schedulers"], list):
-            checkpoint["param_schedulers"] = [copy.deepcopy(s.state_dict()) for s in self._schedulers()]
-        checkpoint["message_hub"] = copy.deepcopy(self.runner.message_hub.state_dict())
-        ema = self._ema_hook()
-        if ema is not None and "ema_state_dict" in checkpoint:  # EMAHook already swapped this dict: redo it
-            checkpoint["ema_state_dict"] = copy_to_host(ema.ema_model.state_dict())
-            swap_ema_state_dict(ema, checkpoint)
-        checkpoint["meta"]["iter"] = completed
-
-    def checkpoint_files(self) -> List[str]:
-        # CheckpointHook.before_train already joined out_dir with the work dir's name, as it writes there.
-        dirs = {self.work_dir} | {h.out_dir for h in self.runner.hooks if isinstance(h, CheckpointHook) and h.out_dir}
-        return sorted({p for d in dirs for p in glob.glob(os.path.join(d, "*.pth")) if not os.path.islink(p)})
-
-    def read_checkpoint(self, path: str) -> Tuple[Payload, Optional[Dict[str, Any]]]:
-        ckpt = load_mmengine_checkpoint(path)
-        if "ema_state_dict" in ckpt and self._ema_hook() is not None:
-            # EMAHook saves the averaged weights as 'state_dict' (for deployment): swap them back, as it does.
-            swap_ema_state_dict(self._ema_hook(), ckpt)
-        if isinstance(ckpt.get("param_schedulers"), dict):
-            ckpt["param_schedulers"] = [s for group in ckpt["param_schedulers"].values() for s in group]
-        meta = ckpt.get("meta", {})
-        ckpt.setdefault("param_schedulers", [])
-        # MMEngine's meta['iter'] counts completed iterations: the guard's numbering already.
-        payload = Payload(ckpt, int(meta.get("iter", 0)), int(meta.get("epoch", 0)), source=path, strict=False)
-        return payload, ckpt.get(STATE_KEY)
-
     def make_scale_dynamic(self) -> Optional[Change]:
         for name, w in self._wrappers():
             if hasattr(w, "loss_scaler") and w._scale_update_param is not None:
@@ -256,20 +222,6 @@ class MMEngineIO(GuardIO):
         done = self.runner.iter + 1
         return done >= loop.val_begin and (done % loop.val_interval == 0 or done == loop.max_iters)
 
-    def checkpoint_due(self, batch_idx: int) -> bool:
-        """True when a CheckpointHook will save after this iteration (it runs later, on rank 0 only)."""
-        runner = self.runner
-        for hook in runner.hooks:
-            if not isinstance(hook, CheckpointHook):
-                continue
-            if hook.by_epoch:
-                if hook.end_of_epoch(runner.train_dataloader, batch_idx):
-                    return True
-            elif hook.every_n_train_iters(runner, hook.interval, hook.save_begin) or (
-                    hook.save_last and hook.is_last_train_iter(runner)):
-                return True
-        return False
-
     def train_loader(self) -> Any:
         loop = getattr(self.runner, "_train_loop", None)
         loader = getattr(loop, "dataloader", None) if loop is not None and not isinstance(loop, dict) else None
@@ -292,20 +244,7 @@ class MMEngineIO(GuardIO):
             self.log("NanGuard: the values the rolled-back iterations logged are kept out of the next log line's "
                      f"means; the last of them: {shown}", "warning")
             self._abandoned = {}
-        # A rollback to the start state leaves the counter at -1 for the hooks after the guard in this iteration:
-        # CheckpointHook would read (-1 + 1) % interval == 0 and save an iter_0.pth nobody asked for. Its
-        # save_begin is held past -1 until the next iteration starts.
-        if self.runner.iter < 0:
-            for hook in self.runner.hooks:
-                if isinstance(hook, CheckpointHook) and not hook.by_epoch:
-                    self._held_save_begin.append((hook, hook.save_begin))
-                    hook.save_begin = 1
-
-    def release_checkpoint_hooks(self) -> None:
-        """As the next iteration starts: the checkpoint hooks held by :meth:`after_recovery` save as configured."""
-        for hook, save_begin in self._held_save_begin:
-            hook.save_begin = save_begin
-        self._held_save_begin = []
+        self.hold_checkpoint_hooks()
 
     def run_config(self) -> Optional[RunConfig]:
         cfg = getattr(self.runner, "cfg", None)
