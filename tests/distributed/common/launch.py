@@ -9,12 +9,15 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["NPROC", "TIMEOUT_S", "SHARED", "free_port", "launch", "run_workers", "run_failing", "incident_logs",
-           "check_agreement", "run_agreeing"]
+__all__ = ["NPROC", "TIMEOUT_S", "SHARED", "SHARED_REMEDIES", "free_port", "launch", "run_workers", "run_failing",
+           "incident_logs", "check_agreement", "run_agreeing"]
+
 
 NPROC = 2
 #: Guard state that records decisions and their consequences: it must be the same on every rank.
-SHARED = ("recoveries", "stalls", "iterations_lost", "skipped_steps", "dropout_zeroed", "clip", "actions_tried")
+SHARED = ("recoveries", "stalls", "iterations_lost", "skipped_steps", "actions_tried")
+#: Remedies whose state every rank holds alike (``remedies.<name>`` in the guard's state, issue 40's one layout).
+SHARED_REMEDIES = ("clip", "dropout", "lr", "scale")
 #: A healthy scenario takes 10-25 s on 2 shared CPU cores; past this it is a hang.
 TIMEOUT_S = 150
 
@@ -113,6 +116,8 @@ def check_agreement(r0: Dict[str, Any], r1: Dict[str, Any], out_dir: str) -> Lis
     assert (r0["error_type"], r0["error"]) == (r1["error_type"], r1["error"])
     for key in SHARED:
         assert r0["guard"][key] == r1["guard"][key], key
+    for name in SHARED_REMEDIES:
+        assert r0["guard"]["remedies"][name] == r1["guard"]["remedies"][name], name
     assert (r0["loss_scale"], r0["max_norm"]) == (r1["loss_scale"], r1["max_norm"])
     logs = incident_logs(out_dir)
     assert len(logs) == 1, logs
