@@ -109,8 +109,7 @@ class HealthyPath:
         moves on). It reuses the buffers of the ring's next evictable snapshot, which leaves the ring now on every
         rank alike (no more host memory), and it enters the ring once the step's agreed verdict allows (a state of a
         path that diverged never does)."""
-        snap = self.points.take(iteration, epoch, recycle=True, generation=self.chain.recoveries,
-                                tags=self.policy.tags(), at_trouble=at_trouble)
+        snap = self._take(iteration, epoch, at_trouble)
         self.points.ring.add(snap)  # evicts the snapshot whose buffers it reused, as every add does...
         self.points.ring.snapshots.remove(snap)  # ...and waits outside the ring for its verdict
         return snap
@@ -134,8 +133,12 @@ class HealthyPath:
             self.points.ring.add(taken)
         elif snapshot_due:
             _, epoch = self.io.completed(inside=True)
-            self.points.ring.add(self.points.take(iteration, epoch, recycle=True, generation=self.chain.recoveries,
-                                                  tags=self.policy.tags()))
+            self.points.ring.add(self._take(iteration, epoch))
+
+    def _take(self, iteration: int, epoch: int, at_trouble: bool = False) -> Snapshot:
+        """A snapshot for the ring, into the buffers of its next evictable one, tagged with the remedies' state."""
+        return self.points.take(iteration, epoch, recycle=True, generation=self.chain.recoveries,
+                                tags=self.policy.tags(), at_trouble=at_trouble)
 
 
 class NanGuard:

@@ -82,11 +82,7 @@ class Remedies:
         signals: Dict[str, Any] = {}
         evidence, cause, exclude, samples = "", None, [], None
         for r in self.takers(event, ctx, names):
-            method, arguments = r.handler(ctx)
-            out = Outcome.of(method(*arguments))
-            if out.targets:
-                out = replace(out, changes=tuple(out.changes) + tuple(self.targets.declare(r.name, out.targets,
-                                                                                            ctx.io)))
+            out = self._call(r, ctx)
             if out.changes or out.targets:
                 self.acted.add(r.name)
             changes += out.changes
@@ -97,6 +93,15 @@ class Remedies:
             if ctx.cls is not None:
                 ctx = replace(ctx, cls=out.applied_to(ctx.cls))
         return Outcome(tuple(changes), evidence, signals, cause, exclude or None, samples=samples)
+
+    def _call(self, r: Remedy, ctx: Context) -> Outcome:
+        """``r``'s method for ``ctx.event``; the targets it declares are applied (their changes join its own) and kept
+        in force."""
+        method, arguments = r.handler(ctx)
+        out = Outcome.of(method(*arguments))
+        if out.targets:
+            out = replace(out, changes=tuple(out.changes) + tuple(self.targets.declare(r.name, out.targets, ctx.io)))
+        return out
 
     def enforce(self, io: Any) -> List[Change]:
         """Every declared target in force (:meth:`~..remedies.targets.Targets.enforce`); nothing is entered where no
@@ -213,9 +218,7 @@ class Remedies:
         r.carry_in(carried)
         if When.START not in r.events or not r.match(ctx):
             return []
-        method, arguments = r.handler(ctx)
-        out = Outcome.of(method(*arguments))
-        return list(out.changes) + (self.targets.declare(r.name, out.targets, ctx.io) if out.targets else [])
+        return list(self._call(r, ctx).changes)
 
 
 class CausePolicy:
