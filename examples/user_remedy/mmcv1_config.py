@@ -19,5 +19,7 @@ custom_imports = dict(imports=['petr_stability', 'toy_detector', 'beta2_remedy',
 custom_hooks = [
     # remedies= entries add to the defaults: beta2 and decay switched on, beside the built-ins, with their settings.
     dict(type='NanGuardHook', remedies=[dict(type='beta2', beta2_target=0.95), dict(type='decay', decay_factor=0.5)]),
-    dict(type='FaultInjectionHook', faults=[dict(kind='weights', iters=[12], value='nan')]),  # the fire drill
+    # The fire drill: NaN written into the weights twice. The first divergence is rolled back alone (no step put
+    # the NaN there, nothing was unstable before it); the second climbs the ladder, and these remedies act.
+    dict(type='FaultInjectionHook', faults=[dict(kind='weights', iters=[12, 14], value='nan')]),
 ]

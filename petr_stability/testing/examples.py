@@ -138,7 +138,8 @@ def check_user_remedy(example: Path, tmp: Path, resume: str) -> None:
     config = ROOT / "examples" / "user_remedy" / f"{example.name}_config.py"
     first = train_example(example, tmp / "run1", config=config)
     assert first.returncode == 0, first.tail()
-    (rec,) = read_incidents(str(first.work_dir))
+    alone, rec = read_incidents(str(first.work_dir))  # the fire drill's first NaN is rolled back alone (issue 43)
+    assert alone["cause"]["signals"].get("rollback_alone") and not alone["actions"], alone
     assert rec["event"] == "divergence" and rec["cause"]["cause"] == "dynamics"
     assert {"target": "optimizer0.group0.betas[1]", "old": 0.999, "new": 0.95} in rec["actions"]
     assert {"target": "optimizer0.group0.weight_decay", "old": 0.01, "new": 0.005} in rec["actions"]
@@ -185,20 +186,22 @@ def _check_groups(checkpoint: Dict[str, Any], beta2: float, decay: float, where:
 
 
 def check_next_incident(example: Path, tmp: Path, patched: Path, zeroed: List[str]) -> None:
-    """The next run from the patched config, the same fire drill planted again: its incident is not the one run 1
-    fixed (the known manual fix is in force from the first iteration: the ladder goes on to its next rung)."""
+    """The next run from the patched config, the same fire drill planted again: its first NaN is rolled back alone,
+    and its second is not the one run 1 fixed (the known manual fix is in force from the first iteration: the ladder
+    goes on to its next rung)."""
     import glob
 
     from petr_stability import read_incidents
     from petr_stability.configfix import load_config
 
     hooks = [h for h in load_config(str(patched))["custom_hooks"] if "NanGuardHook" in str(h.get("type"))]
-    drill = dict(type="FaultInjectionHook", faults=[dict(kind="weights", iters=[12], value="nan")])
+    drill = dict(type="FaultInjectionHook", faults=[dict(kind="weights", iters=[12, 14], value="nan")])
     config = tmp / "drill_again.py"
     config.write_text(f"_base_ = [{str(patched)!r}]\ncustom_hooks = {hooks + [drill]!r}\n")
     run = train_example(example, tmp / "run4", config=config, paths=(str(ROOT / "examples" / "user_remedy"),))
     assert run.returncode == 0, run.tail()
-    (rec,) = read_incidents(str(run.work_dir))
+    alone, rec = read_incidents(str(run.work_dir))
+    assert alone["cause"]["signals"].get("rollback_alone") and not alone["actions"], alone
     assert rec["cause"]["cause"] == "dynamics" and "in force already" in rec["cause"]["evidence"], rec["cause"]
     targets = [a["target"] for a in rec["actions"]]
     assert not set(zeroed) & set(targets) and not any("max_norm" in t for t in targets), targets

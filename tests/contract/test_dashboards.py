@@ -60,8 +60,16 @@ def test_the_dashboards_show_the_guards_own_values_on_a_step_axis_that_never_goe
             assert value in {s[key] for at, s in published if at == step}, (key, step, value)
     incidents = {step: value for key, step, value in mine if key == "nan_guard/incidents"}
     assert set(incidents.values()) == {0.0, 1.0} and all(v == (s >= 12) for s, v in incidents.items())
+    # The known manual fix where the ladder answered (the torch loop: unknown, no replay); where the replay shows the
+    # NaN written between two steps, the run's first divergence is rolled back alone and max_norm stays (issue 43).
+    (rec,) = strict_json_lines(os.path.join(str(tmp_path), INCIDENT_FILE))
+    fixed = any(a["target"].endswith("max_norm") for a in rec["actions"])
+    assert fixed != bool(rec["cause"]["signals"].get("rollback_alone")), rec["cause"]
     max_norms = [value for key, _, value in mine if key == "nan_guard/max_norm"]
-    assert max_norms and max_norms[-1] == 1.0 and set(max_norms) <= ({35.0, 1.0} if clip == "norm" else {1.0})
+    if fixed:
+        assert max_norms and max_norms[-1] == 1.0 and set(max_norms) <= ({35.0, 1.0} if clip == "norm" else {1.0})
+    else:  # an observing clip's inf is not published
+        assert set(max_norms) == ({35.0} if clip == "norm" else set()), max_norms
 
     # The same values in the JSON logs (strict JSON: an observing clip's max_norm=inf was Infinity there). Where no
     # clip is configured, the runner logs no grad_norm, as without the guard (its observing clip adds nothing, not
@@ -74,7 +82,6 @@ def test_the_dashboards_show_the_guards_own_values_on_a_step_axis_that_never_goe
             for key, value in line.items():
                 if key.startswith("nan_guard/"):
                     assert value in {s[key] for _, s in published if key in s}, (path, line)
-    (rec,) = strict_json_lines(os.path.join(str(tmp_path), INCIDENT_FILE))
 
     # The incident as text, at its own step, with its cause and action (the torch loop cannot re-run a batch:
     # unknown there, dynamics where the runner replays it).

@@ -25,7 +25,9 @@ class SigkillHook(Hook):
 
 
 MODES = {
-    "recovery": dict(faults=[dict(kind="weights", iters=[FAULT_ITER])], checkpoint=dict(interval=KILL_ITER)),
+    # NaN written twice: the first rolled back alone (issue 43), the second climbs the ladder to the known fix.
+    "recovery": dict(faults=[dict(kind="weights", iters=[FAULT_ITER, FAULT_ITER + 1])],
+                     checkpoint=dict(interval=KILL_ITER)),
     "lineage": dict(checkpoint=dict(interval=KILL_ITER // 2)),
 }
 

@@ -26,7 +26,8 @@ class SigkillHook(Hook):
 
 
 MODES = {
-    "recovery": dict(faults=[dict(kind="weights", iters=[12], value="nan")], checkpoint=dict(interval=15),
+    # NaN written twice: the first rolled back alone (issue 43), the second climbs the ladder to the known fix.
+    "recovery": dict(faults=[dict(kind="weights", iters=[12, 14], value="nan")], checkpoint=dict(interval=15),
                      extra_hooks=[dict(type="SigkillHook", at_iter=17)]),
     "lineage": dict(checkpoint=dict(interval=4), extra_hooks=[dict(type="SigkillHook", at_iter=8)]),
 }

@@ -94,12 +94,12 @@ def test_sigkill_after_a_recovery_then_resume_keeps_remedies_and_counters(tmp_pa
     proc = subprocess.run([sys.executable, os.path.join(HERE, "kill_worker.py"), wd], cwd=HERE, timeout=300,
                           capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    assert [r["event"] for r in read_incidents(wd)] == ["divergence"]
+    assert [r["event"] for r in read_incidents(wd)] == ["divergence", "divergence"]
     runner = build_runner(wd, amp="dynamic", max_iters=20, guard=GUARD, model_kwargs=SMALL, resume=True)
     runner.train()
     g = guard_hook(runner).guard
-    assert g.recoveries == 1 and g.remedy("dropout").dropout_zeroed
-    assert g.chain.iterations_lost == read_incidents(wd)[0]["iterations_lost"]
+    assert g.recoveries == 2 and g.remedy("dropout").dropout_zeroed
+    assert g.chain.iterations_lost == sum(r["iterations_lost"] for r in read_incidents(wd))
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
     head = runner.model.net.pts_bbox_head
     assert all(m.p == 0.0 for m in head.modules() if isinstance(m, torch.nn.Dropout))
@@ -162,12 +162,12 @@ def test_several_optimizers_optim_wrapper_dict(tmp_path):
                               collate_fn=dict(type="default_collate")),
         optim_wrapper=wrappers, train_cfg=dict(by_epoch=False, max_iters=20),
         default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=10 ** 6, by_epoch=False)),
-        custom_hooks=[dict(type="FaultInjectionHook", faults=[dict(kind="weights", iters=[14], value="nan")]),
+        custom_hooks=[dict(type="FaultInjectionHook", faults=[dict(kind="weights", iters=[12, 14], value="nan")]),
                       dict(type="NanGuardHook", **GUARD)],
         default_scope="mmengine", randomness=dict(seed=0))
     runner.train()
     assert params_finite(runner) and runner.iter == 20
-    (rec,) = read_incidents(str(tmp_path))
+    _, rec = read_incidents(str(tmp_path))  # the first NaN is rolled back alone (issue 43); the second climbs
     targets = {a["target"]: (a["old"], a["new"]) for a in rec["actions"]}
     assert targets["optim_wrapper.backbone.clip_grad.max_norm"] == (35.0, 1.0)
     assert targets["optim_wrapper.head.clip_grad.max_norm"] == ("inf", 1.0)

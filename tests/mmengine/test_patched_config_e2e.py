@@ -21,12 +21,12 @@ def _run(tmp_path, edit_file_after_launch):
     wd = tmp_path / "wd"
     runner = build_runner(str(wd), amp="dynamic", max_iters=16, guard=dict(snapshot_interval=5, confirm_steps=3),
                           model_kwargs=dict(num_layers=1, num_query=16),
-                          faults=[dict(kind="weights", iters=[12], value="nan")], cfg=cfg)
+                          faults=[dict(kind="weights", iters=[12, 14], value="nan")], cfg=cfg)
     if edit_file_after_launch:
         src.write_text(src.read_text().replace("batch_size=4", "batch_size=64"))  # an edit since launch
     runner.train()
-    (rec,) = read_incidents(str(wd))
-    assert rec["event"] == "divergence"
+    # The first NaN written between two steps is rolled back alone (issue 43), the second gets the known manual fix.
+    assert [r["event"] for r in read_incidents(str(wd))] == ["divergence", "divergence"]
     return Config.fromfile(str(wd / "nan_guard_patched_config.py")), (wd / "nan_guard_patched_config.py").read_text()
 
 
@@ -78,14 +78,16 @@ def _incident_run(tmp_path, kind):
         "dict(type='NanGuardHook')]", "custom_hooks = [dict(type='NanGuardHook')]"))
     cfg = Config.fromfile(str(src))
     faults = {"data": [dict(kind="batch", iters=[5], value=1e6)], "forward_overflow": [],
-              "dynamics": [dict(kind="weights", iters=[12], value="nan")]}[kind]
+              "dynamics": [dict(kind="weights", iters=[12, 14], value="nan")]}[kind]  # 12: rolled back alone
     amp = dict(init_scale=1.0) if kind == "data" else dict(init_scale=8.0) if kind == "forward_overflow" else "dynamic"
     wd = tmp_path / "wd"
     runner = build_runner(str(wd), amp=amp, max_iters=16, faults=faults, cfg=cfg,
                           guard=dict(snapshot_interval=5, confirm_steps=3, quarantine_fraction=0.05),
                           model_kwargs=dict(num_layers=1, num_query=16, layer_cfg=layer))
     runner.train()
-    (rec,) = [r for r in read_incidents(str(wd)) if r["event"] == "divergence"]
+    divergences = [r for r in read_incidents(str(wd)) if r["event"] == "divergence"]
+    assert len(divergences) == (2 if kind == "dynamics" else 1), divergences
+    rec = divergences[-1]
     assert rec["cause"]["cause"] == kind, rec["cause"]
     patched = wd / "nan_guard_patched_config.py"
     return cfg.to_dict(), Config.fromfile(str(patched)).to_dict(), patched.read_text(), rec

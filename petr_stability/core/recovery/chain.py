@@ -558,6 +558,20 @@ class _Kind:
         return None
 
 
+def _between_steps(c: Classification, inc: Incident) -> Classification:
+    """A dynamics divergence whose live parameters went non-finite although no step applied a non-finite update (a
+    loss scaler, or the guard's fp32 skip, dropped the failing step; nothing was unstable before it) carries the
+    signal ``between_steps``: the training did not put the NaN there (a write from outside the optimizer)."""
+    params = (inc.diagnosis or {}).get("nonfinite_parameters") or []
+    dropped = inc.signals.scale_mode != "none" or inc.signals.step_applied is False
+    if c.cause != Cause.DYNAMICS or not params or not dropped or inc.signals.trouble_since is not None:
+        return c
+    return c.but(evidence=c.evidence + f"; the live parameters ({', '.join(params[:3])}) went non-finite between "
+                                       "two steps: no optimizer step applied a non-finite update (the failing one "
+                                       "was dropped) and nothing was unstable before it",
+                 signals={**c.signals, "between_steps": True})
+
+
 class _Divergence(_Kind):
     """A confirmed divergence: replay, classify, the class's remedies, roll back."""
 
@@ -579,7 +593,7 @@ class _Divergence(_Kind):
             if own and local.cause in (Cause.DYNAMICS, Cause.UNKNOWN):
                 # The batch in hand trains fine, but an earlier batch of its accumulation window holds NaN/Inf.
                 local = from_inputs(own, inc.iteration)
-            return local
+            return _between_steps(local, inc)
         # No replay: the batch's own values are the evidence there is (a sample holding NaN is bad data).
         local = from_inputs(inc.mine["named"], inc.iteration) if inc.batch is not None else None
         if local is None and not distributed.is_distributed():

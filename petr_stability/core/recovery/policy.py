@@ -368,7 +368,8 @@ class CausePolicy:
         evidence, the changes, the modules started afresh)."""
         changes = list(self.remedies.restored(io, payload.tags, cls=c, incident=incident).changes)
         changes += self.remedies.enforce(io)  # what the restore put back, in either runner family
-        names = self._dynamics() if c.cause in (Cause.DYNAMICS, Cause.UNKNOWN) else None
+        names = None if c.cause not in (Cause.DYNAMICS, Cause.UNKNOWN) else (
+            () if c.signals.get("rollback_alone") else self._dynamics())
         if names is None or names:
             ctx = self.remedies.context(io, When.AFTER_RESTORE, cls=c, incident=incident, history=self.history)
             outcome = self.remedies.fire(When.AFTER_RESTORE, ctx, names)
@@ -410,6 +411,14 @@ class CausePolicy:
     def _climb(self, ctx: Any) -> Tuple[Classification, Optional[Tuple[str, ...]]]:
         """The next rung for a dynamics incident: (the class, the remedies to fire; structural past the last)."""
         c = ctx.cls
+        if c.signals.get("between_steps") and self.rung == 0 and not (
+                self.history.count(Cause.DYNAMICS) or self.history.count(Cause.UNKNOWN)):
+            # The training did not put the NaN there, and nothing diverged before: no setting is changed without
+            # evidence the dynamics need it (no remedy fires). A next divergence of the run climbs the ladder.
+            first = f" ({self.ladder[0].name} first)" if self.ladder else ""
+            return c.but(evidence=c.evidence + f"; a rollback alone, no setting changed: the ladder{first} from the "
+                                               "run's next divergence on",
+                         signals={**c.signals, "rollback_alone": True}), ()
         held = self.ladder[self.rung - 1] if 1 <= self.rung <= len(self.ladder) else None
         acting = [] if held is None or not held.repeat else [
             r for r in (self.remedies.get(n) for n in held.remedies) if r.enabled]

@@ -34,8 +34,10 @@ TO_DISK = dict(snapshot_interval=1000, confirm_steps=1000, check_interval=1000, 
 def shared_scenarios(disk_checkpoint: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """name -> the family's ``build_runner`` keyword arguments (work_dir is added by the worker)."""
     return {
-        # A NaN planted in rank 1's weights only: only rank 1's health check sees it.
-        "weights_one_rank": dict(max_iters=18, guard=GUARD, faults=[dict(kind="weights", iters=[12], ranks=[1])]),
+        # A NaN planted in rank 1's weights only, twice: only rank 1's health check sees it. The first divergence is
+        # rolled back alone on every rank (issue 43: written between two steps), the second climbs the ladder.
+        "weights_one_rank": dict(max_iters=18, guard=GUARD,
+                                 faults=[dict(kind="weights", iters=[12, 14], ranks=[1])]),
         # A NaN loss on rank 1 only, for more steps than the patience; fp32.
         "loss_one_rank": dict(amp=None, max_iters=18, guard=GUARD,
                               faults=[dict(kind="loss", iters=[11, 12, 13, 14, 15], ranks=[1])]),
