@@ -92,7 +92,12 @@ Samples = List[Batch]
 
 MODELS = ("causal_ts", "detr", "cnn_bn", "temporal", "rnn")
 SCENARIOS = ("none", "too_high_lr", "corrupt_sample", "bright_sample", "nan_weights")
-VARIANTS = ("reference", "unguarded", "guarded")
+#: ``reshuffled`` is the reference trained on another order of the same data (:func:`_order`): how far a run that
+#: differs from the reference in nothing but the order its batches come in lands from it. A rollback replays
+#: iterations on batches the loader moved on to, so no recovery is closer to the reference than this by design.
+VARIANTS = ("reference", "unguarded", "guarded", "reshuffled")
+#: A reshuffled run's loader draws its order from this plus the seed.
+RESHUFFLE_SEED = 10_000
 
 #: A bright sample: its inputs times this. The data stay within +-6.5, so the sample stays below fp16's largest
 #: finite value (65504) as it is cast; what overflows is a layer's output.
@@ -762,12 +767,24 @@ class _Run:
     last_applied: int = 0
 
 
+def _order(train: Samples, model_spec: ModelSpec) -> Samples:
+    """The same samples in another order for a model trained in order (a third of the way in, the rest after the
+    start: the scenes in another sequence, each scene's frames in theirs); a shuffled model's as they are (its loader
+    draws another order instead)."""
+    if model_spec.shuffle:
+        return train
+    cut = len(train) // 3
+    return train[cut:] + train[:cut]
+
+
 def _build(model_spec: ModelSpec, train: Samples, seed: int, lr: float, work_dir: str,
-           guard: Optional[Dict[str, Any]], plant_at: Optional[int], lines: List[str]) -> _Run:
+           guard: Optional[Dict[str, Any]], plant_at: Optional[int], lines: List[str],
+           order_seed: Optional[int] = None) -> _Run:
     model = model_spec.build(seed)
     torch.manual_seed(seed)  # dropout draws: the same for every variant of a seed
+    order = seed if order_seed is None else order_seed
     loader = DataLoader(ZooDataset(train), batch_size=model_spec.batch_size, shuffle=model_spec.shuffle,
-                        generator=_gen(seed) if model_spec.shuffle else None)
+                        generator=_gen(order) if model_spec.shuffle else None)
     opt = (model_spec.optimizer or _adamw)(model.parameters(), lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(model_spec.iters, model_spec.warmup))
     scaler = make_grad_scaler("cpu")  # init scale 2**16, growth interval 2000: the torch defaults
@@ -835,7 +852,8 @@ def run(model: str, scenario: str, variant: str, seed: int, work_dir: Optional[s
         model: a zoo model (:data:`MODELS`).
         scenario: the fault planted (:data:`SCENARIOS`); a ``reference`` run plants nothing.
         variant: ``'reference'`` (stable learning rate, nothing planted, no guard), ``'unguarded'`` (the scenario
-            planted, no guard) or ``'guarded'`` (the scenario planted, the guard on).
+            planted, no guard), ``'guarded'`` (the scenario planted, the guard on) or ``'reshuffled'`` (the reference
+            with its batches in another order: :data:`VARIANTS`).
         seed: weights, data, dropout, shuffle and the planted sample.
         work_dir: where the guard writes its records. Defaults to None (a temporary dir, removed after).
         guard_kwargs: guard settings over :func:`guard_settings` of the run's length. Defaults to None.
@@ -847,7 +865,7 @@ def run(model: str, scenario: str, variant: str, seed: int, work_dir: Optional[s
     if scenario not in SCENARIOS or variant not in VARIANTS:
         raise ValueError(f"scenario must be one of {list(SCENARIOS)} and variant one of {list(VARIANTS)}, got "
                          f"{scenario!r}, {variant!r}")
-    if variant == "reference":
+    if variant in ("reference", "reshuffled"):
         scenario = "none"
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="zoo_") as tmp:
@@ -860,8 +878,9 @@ def run(model: str, scenario: str, variant: str, seed: int, work_dir: Optional[s
     train = plant_data(train, scenario, planted, s.input_key) if planted is not None else train
     guard = dict(guard_settings(s.iters), **(guard_kwargs or {})) if variant == "guarded" else None
     lines: List[str] = []
-    live = _build(s, train, seed, lr, work_dir, guard, s.iters // 2 + 1 if scenario == "nan_weights" else None,
-                  lines)
+    live = _build(s, _order(train, s) if variant == "reshuffled" else train, seed, lr, work_dir, guard,
+                  s.iters // 2 + 1 if scenario == "nan_weights" else None, lines,
+                  RESHUFFLE_SEED + seed if variant == "reshuffled" else seed)
     result = ZooResult(model, scenario, variant, seed, lr, planted)
     masks = _finite_masks(live.model)
     try:

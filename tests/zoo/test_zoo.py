@@ -114,3 +114,14 @@ def test_nothing_planted_means_the_guard_did_nothing_not_that_it_wrote_nothing(r
     result = zoo.ZooResult("rnn", "none", "guarded", 13, 0.0125, incidents=[record], **extra)
     ok, why = zoo.right_class(result)
     assert ok is quiet, why
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("model", ["detr", "temporal"])  # a shuffled loader; a model trained in order
+def test_the_reshuffled_reference_is_the_same_data_in_another_order(model):
+    # benchmarks/zoo.py holds the reference's quality criteria against it too: how far the reference lands from itself
+    # when nothing but the order of its batches changes, as a rollback's replayed iterations change it.
+    reference, other = _run(model, "none", "reference"), _run(model, "none", "reshuffled")
+    assert other.finished and not other.lost and other.lr == reference.lr and not other.incidents
+    assert sorted(other.served) == sorted(reference.served)  # every sample served as often
+    assert other.eval_loss != reference.eval_loss  # another order is another path
