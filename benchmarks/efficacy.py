@@ -6,7 +6,10 @@
 For each scenario, seed and kernel set (``native``: this CPU's best kernels; ``default``: torch's portable ones,
 ``ATEN_CPU_CAPABILITY=default``, what another CPU computes), the demo's real MMEngine runs (petr_stability.demo.run):
 ``guarded`` (the guard on), ``reference`` (dynamics: the stable learning rate, no guard), ``known_fix`` (the known
-manual fix (transformer dropout 0, max_norm 1) from the start, no guard), ``unguarded``. Each kernel set runs in a
+manual fix (transformer dropout 0, max_norm 1) from the start, no guard), ``unguarded``, ``reshuffled`` (dynamics: the
+reference on the frame stream a third of a run further on, held to the guarded run's comparison: how far the
+reference lands from itself on other frames of the same data, as a rollback's replayed iterations see them). Each
+kernel set runs in a
 process of its own (the kernels are chosen as torch starts). Printed per scenario and kernel set: the held-out loss's
 median and max over the seeds for each run (NaN where a run was lost), how many were lost, the guard's iterations
 lost per incident, and the wall time; then guarded / reference (median, and the worst guarded against the
@@ -30,7 +33,7 @@ from zoo import GROUPS, compare  # benchmarks/zoo.py, beside this script
 
 __all__ = ["main", "one_kernel_set", "summarize"]
 
-RUNS = ("guarded", "reference", "known_fix", "unguarded")
+RUNS = ("guarded", "reference", "known_fix", "unguarded", "reshuffled")
 
 
 def one_kernel_set(scenarios: List[str], seeds: List[int], runs: Sequence[str] = RUNS,
@@ -46,7 +49,8 @@ def one_kernel_set(scenarios: List[str], seeds: List[int], runs: Sequence[str] =
         for scenario in scenarios:
             for seed in seeds:
                 base = demo.settings_for(scenario)
-                chosen = tuple(r for r in runs if r in demo.RUNS and (r != "reference" or scenario == "dynamics"))
+                chosen = tuple(r for r in runs if r in demo.RUNS
+                               and (r not in ("reference", "reshuffled") or scenario == "dynamics"))
                 s = dataclasses.replace(base, seed=seed, runs=chosen, guard=dict(base.guard, **(guard_kwargs or {})))
                 train, heldout = demo._make_data(s)
                 for key in s.runs:
@@ -75,7 +79,11 @@ def _group(rows: List[Dict[str, Any]], seeds: range) -> Dict[str, Any]:
     mine = [r for r in rows if r["seed"] in seeds]
     guarded = [r for r in mine if r["run"] == "guarded"]
     reference = [r for r in mine if r["run"] == "reference" and not r["lost"]]
-    return dict(compare(guarded, reference), guarded_lost=sum(r["lost"] for r in guarded))
+    reshuffled = [r for r in mine if r["run"] == "reshuffled"]
+    out = dict(compare(guarded, reference), guarded_lost=sum(r["lost"] for r in guarded))
+    if reshuffled:  # the reference on later frames, held to the same comparison: what it allows by design
+        out["reshuffled"] = compare(reshuffled, reference)
+    return out
 
 
 def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -151,6 +159,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                       f"{grp['guarded_lost']}/{grp['seeds']}; inside the reference's spread "
                       f"[{_fmt(grp['reference_min'])}, {_fmt(grp['reference_max'])}]: "
                       f"{grp['inside_spread']}/{grp['seeds']} (below it: {grp['below_spread']})")
+                other = grp.get("reshuffled")
+                if other:
+                    print(f"  seeds {name:<5}: the reference on later frames / reference (medians) "
+                          f"{_fmt(other['ratio'])}; inside the reference's spread {other['inside_spread']}/"
+                          f"{other['seeds']} (below it: {other['below_spread']})")
     print(f"total wall {time.perf_counter() - t0:.0f}s")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:

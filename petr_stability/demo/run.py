@@ -33,6 +33,8 @@ RUNS = {
     "known_fix": ("known fix, unguarded", "the known manual fix (transformer dropout 0, max_norm 1) from the start"),
     "guarded": ("default + NanGuardHook", "dropout 0.1, max_norm 35, NanGuardHook on"),
     "reference": ("reference (stable lr)", "dropout 0.1, max_norm 35, the stable learning rate"),
+    "reshuffled": ("reference, later frames", "the reference on the frame stream a third of a run further on (other "
+                                              "frames of the same data: a rollback's replayed iterations see them)"),
     "adaptive_clip": ("guarded + adaptive clip", "dropout 0.1, max_norm 35, NanGuardHook(remedies=[dict(type="
                                                  "'adaptive_clip')]): clipped at min(35, mean + z*std)"),
 }
@@ -219,12 +221,19 @@ def _make_data(s: DemoSettings) -> Tuple[list, list]:
     return train, heldout
 
 
+def _lr(key: str, s: DemoSettings) -> float:
+    """A run's peak learning rate: the reference's (and its reshuffled twin's), or the scenario's."""
+    return s.reference_lr if key in ("reference", "reshuffled") else s.lr
+
+
 def _build_runner(key: str, work_dir: str, s: DemoSettings, train: list, hooks: List[Any]) -> Any:
     _, Runner = _import_mmengine()
     from petr_stability.demo.data import ListDataset
 
     fixed = key == "known_fix"
-    lr = s.reference_lr if key == "reference" else s.lr
+    lr = _lr(key, s)
+    if key == "reshuffled":
+        train = train[s.iters * s.batch_size // 3:]  # the stream holds twice the frames a run reads
     optimizer = dict(type="AdamW", lr=lr, weight_decay=0.01)
     if torch.cuda.is_available():
         wrapper = dict(type="AmpOptimWrapper", loss_scale="dynamic", dtype="float16")
@@ -449,7 +458,7 @@ def summary_dict(results: Dict[str, List[RunResult]]) -> Dict[str, Any]:
 
 
 _COLORS = {"unguarded": "tab:red", "known_fix": "tab:orange", "guarded": "tab:blue", "reference": "tab:green",
-           "adaptive_clip": "tab:purple"}
+           "adaptive_clip": "tab:purple", "reshuffled": "tab:olive"}
 
 
 def _segments(curve: List[List[float]]) -> List[List[List[float]]]:
@@ -500,7 +509,7 @@ def _plot(results: Dict[str, List[RunResult]], settings: Dict[str, DemoSettings]
                 ax.plot(xs, ys, label=label, **style)
                 ax2.plot(xs, [max(p[2], 1e-30) for p in seg], **style)
                 skipped = [p for p in seg if not math.isfinite(p[4])]
-                if skipped and r.key != "reference":
+                if skipped and r.key not in ("reference", "reshuffled"):
                     ax.plot([p[0] for p in skipped], [0.02 * (1 + list(_COLORS).index(r.key))] * len(skipped),
                             "|", color=_COLORS[r.key], ms=6, transform=ax.get_xaxis_transform(), zorder=on_top)
             for it in r.incident_iters:
@@ -568,7 +577,7 @@ def _run_demo(work_dir: str, settings: Dict[str, DemoSettings], echo: bool) -> D
         for key in s.runs:
             if echo:
                 label, what = RUNS[key]
-                lr = s.reference_lr if key == "reference" else s.lr
+                lr = _lr(key, s)
                 print(f"\n  {label}: {what}, lr {lr:g}", flush=True)
             results[name].append(_run_one(key, work_dir, s, train, heldout, echo))
         if echo:

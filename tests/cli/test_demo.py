@@ -47,6 +47,24 @@ def test_adaptive_clip_run_is_the_guards_own_option(tmp_path):
                    demo._build_runner("unguarded", str(tmp_path / "u"), s, train, []).hooks)
 
 
+def test_the_reshuffled_reference_reads_later_frames_at_the_reference_rate(tmp_path):
+    """benchmarks/efficacy.py's floor: the reference on the frame stream a third of a run further on, unguarded."""
+    from petr_stability.demo import run as demo
+
+    s = settings_for("dynamics", quick=True)
+    train, _ = demo._make_data(s)
+    built = {key: demo._build_runner(key, str(tmp_path / key), s, train, []) for key in ("reference", "reshuffled")}
+    data = {key: r._train_dataloader["dataset"] for key, r in built.items()}
+    offset = s.iters * s.batch_size // 3
+    # Frames enough for the run: it reads iters * batch_size of them.
+    assert data["reshuffled"][0]["inputs"].equal(train[offset]["inputs"])
+    assert len(data["reshuffled"]) >= s.iters * s.batch_size
+    assert data["reference"][0]["inputs"].equal(train[0]["inputs"])
+    rates = {key: r.optim_wrapper["optimizer"]["lr"] for key, r in built.items()}
+    assert rates == {"reference": s.reference_lr, "reshuffled": s.reference_lr} and s.reference_lr != s.lr
+    assert not any(type(h).__name__ == "NanGuardHook" for r in built.values() for h in r.hooks)
+
+
 def test_bad_scenario_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--scenario", "nope"])
