@@ -687,9 +687,9 @@ def right_class(result: ZooResult) -> Tuple[bool, str]:
 
     ``too_high_lr``: dynamics, unknown or forward_overflow, nothing quarantined; ``corrupt_sample`` and
     ``bright_sample``: data, exactly the planted sample quarantined, no module in fp32, no learning-rate change;
-    ``nan_weights``: dynamics or unknown; ``none``: no record where the guard acted (:func:`acted`; a record of a
-    step the scaler skipped is an observation), nothing quarantined, no module in fp32, no rate changed, nothing
-    rolled back.
+    ``nan_weights``: dynamics or unknown, its first divergence a rollback alone (no setting changed); ``none``: no
+    record where the guard acted (:func:`acted`; a record of a step the scaler skipped is an observation), nothing
+    quarantined, no module in fp32, no rate changed, nothing rolled back.
     """
     causes, s = set(result.causes), result.scenario
     if s == "none":
@@ -704,7 +704,10 @@ def right_class(result: ZooResult) -> Tuple[bool, str]:
         return (not wrong and not result.quarantined,
                 f"classes {sorted(causes)}, quarantined {result.quarantined}")
     if s == "nan_weights":
-        return causes <= {"dynamics", "unknown"}, f"classes {sorted(causes)}"
+        # NaN written between two steps, nothing unstable before it: the first divergence is rolled back alone.
+        first = next((r for r in result.incidents if r.get("cause")), {})
+        ok = causes <= {"dynamics", "unknown"} and not first.get("targets") and not result.fp32_modules
+        return ok, f"classes {sorted(causes)}, the first divergence changed {first.get('targets')}"
     ok = (causes == {"data"} and result.quarantined == [result.planted] and not result.fp32_modules
           and result.lr_factor == 1.0)
     return ok, (f"classes {sorted(causes)}, quarantined {result.quarantined} (planted {result.planted}), fp32 "
