@@ -37,7 +37,8 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria", "quality", "compare", "GROUPS"]
+__all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria", "quality", "compare", "markdown",
+           "GROUPS"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
@@ -253,6 +254,29 @@ def report(summary: Dict[str, Any]) -> Tuple[List[str], int]:
     return lines, failed
 
 
+def markdown(summary: Dict[str, Any]) -> List[str]:
+    """The summary as docs/zoo.md's table: one row per kernel set, model and scenario."""
+    lines = ["| model | scenario | unguarded lost | guarded lost | false stops | classes (records) | quarantined "
+             "right/wrong | guarded / reference medians, seeds 0-9 | 10-19 | 0-19 | inside the reference's spread (of "
+             "them outside on the better side) | the reference in another order, 0-19: median ratio, inside | "
+             "criteria |", "|" + "---|" * 13]
+    for key, cell in summary.items():
+        _, model, scenario = key.split("/")
+        fails = criteria(key, cell)
+        ratios = [_fmt((cell.get(f"seeds_{n}") or {}).get("ratio")) for n in ("0-9", "10-19", "all")]
+        total, floor = cell["seeds_all"], cell.get("reshuffled_all")
+        classes = ", ".join(f"{c} {n}" for c, n in sorted(cell["classes"].items())) or "-"
+        shown = (f"{_fmt(floor['ratio'])}, {floor['inside_spread']}/{floor['seeds']}"
+                 + (" (misses it too)" if floor and quality(floor, "reshuffled") else "")) if floor else "-"
+        lines.append(
+            f"| {model} | {scenario} | {'-' if scenario == 'none' else str(cell['unguarded_lost']) + '/'}"
+            f"{'' if scenario == 'none' else cell['unguarded_runs']} | {cell['guarded_lost']}/{cell['guarded_runs']} "
+            f"| {len(cell['false_stops'])} | {classes} | {cell['quarantine_right']}/{cell['quarantine_wrong']} | "
+            f"{' | '.join(ratios)} | {total['inside_spread']}/{total['seeds']} ({total['below_spread']} below) | "
+            f"{shown} | {'PASS' if not fails else '; '.join(fails)} |")
+    return lines
+
+
 def _child(a: argparse.Namespace, kernels: str) -> List[Dict[str, Any]]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -279,6 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rows", nargs="+", default=None, metavar="JSON",
                    help="summarize the raw rows of earlier --out files (merged: e.g. one per kernel set) instead of "
                         "running")
+    p.add_argument("--markdown", action="store_true", help="print the summary as docs/zoo.md's table too")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: this kernel set, rows on stdout
     a = p.parse_args(argv)
     try:
@@ -310,6 +335,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\n".join(lines))
     print(f"{len(summary) - failed} PASS, {failed} FAIL of {len(summary)}; {len(rows)} runs, "
           f"wall {time.perf_counter() - t0:.0f}s")
+    if a.markdown:
+        print("\n".join(markdown(summary)))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w", encoding="utf-8") as f:
