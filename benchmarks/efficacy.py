@@ -108,6 +108,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             if g and ref and g["median"] and ref["median"]:
                 part["guarded_vs_reference_median"] = g["median"] / ref["median"]
                 part["guarded_worst_within_reference_spread"] = g["max"] is not None and g["max"] <= ref["max"]
+            if ref and ref["median"] and (g or part.get("reshuffled")):
                 part["seed_groups"] = {name: _group(mine, chosen) for name, chosen in SEED_GROUPS
                                        if any(r["seed"] in chosen for r in mine)}
             out[f"{kernels}/{scenario}"] = part
@@ -154,16 +155,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         if "guarded_vs_reference_median" in part:
             print(f"  guarded / reference (medians): {part['guarded_vs_reference_median']:.3f}; guarded worst within "
                   f"the reference's spread: {part['guarded_worst_within_reference_spread']}")
-            for name, grp in part["seed_groups"].items():
+        for name, grp in part.get("seed_groups", {}).items():
+            if grp["seeds"]:
                 print(f"  seeds {name:<5}: guarded / reference (medians) {_fmt(grp['ratio'])}; guarded lost "
                       f"{grp['guarded_lost']}/{grp['seeds']}; inside the reference's spread "
                       f"[{_fmt(grp['reference_min'])}, {_fmt(grp['reference_max'])}]: "
                       f"{grp['inside_spread']}/{grp['seeds']} (below it: {grp['below_spread']})")
-                other = grp.get("reshuffled")
-                if other:
-                    print(f"  seeds {name:<5}: the reference on later frames / reference (medians) "
-                          f"{_fmt(other['ratio'])}; inside the reference's spread {other['inside_spread']}/"
-                          f"{other['seeds']} (below it: {other['below_spread']})")
+            other = grp.get("reshuffled")
+            if other:
+                print(f"  seeds {name:<5}: the reference on later frames / reference (medians) "
+                      f"{_fmt(other['ratio'])}; inside the reference's spread {other['inside_spread']}/"
+                      f"{other['seeds']} (below it: {other['below_spread']})")
     print(f"total wall {time.perf_counter() - t0:.0f}s")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
