@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["SCENARIOS", "RUNS", "DemoSettings", "RunResult", "settings_for", "corrupt_raw16", "run_demo",
-           "format_table", "summary_dict"]
+__all__ = ["SCENARIOS", "RUNS", "BENCHMARK_RUNS", "DemoSettings", "RunResult", "settings_for", "corrupt_raw16",
+           "run_demo", "format_table", "summary_dict"]
 
 #: Scenario names, in the order ``petr-stability demo`` runs them.
 SCENARIOS = ("dynamics", "data_burst")
@@ -38,6 +38,9 @@ RUNS = {
     "adaptive_clip": ("guarded + adaptive clip", "dropout 0.1, max_norm 35, NanGuardHook(remedies=[dict(type="
                                                  "'adaptive_clip')]): clipped at min(35, mean + z*std)"),
 }
+
+#: Runs ``benchmarks/efficacy.py`` asks for and the demo itself does not make.
+BENCHMARK_RUNS = ("reshuffled",)
 
 #: The smallest ``--iters``: the guarded data_burst run recovers from here on (measured; 12 gives up).
 MIN_ITERS = 24
