@@ -34,10 +34,12 @@ def _run(family, tmp_path):
         assert r["side_group"] == {"backend": PROFILE.backend, "side_backend": "gloo", "max": nproc,
                                    "guard_built_it": True, "node_group": True}
         assert r["finite"] and r["iter"] == 18 and r["digest"] == results[0]["digest"]
-        assert r["guard"]["recoveries"] == 1 and r["max_norm"] == 1.0
+        # NaN written into every rank's weights between two steps: rolled back alone (issue 43), no setting changed.
+        assert r["guard"]["recoveries"] == 1 and r["max_norm"] == results[0]["max_norm"] != 1.0
     (path,) = incident_logs(str(tmp_path))
     (rec,) = read_incidents(path)
     assert rec["event"] == "divergence" and rec["restored_from"]["source"] == "memory"
+    assert rec["cause"]["signals"].get("rollback_alone") is True and rec["actions"] == []
     return results
 
 

@@ -49,16 +49,18 @@ def test_poisoned_weights_recover_on_cuda(tmp_path, loss_scale):
 
     from petr_stability import read_incidents
 
-    r = _runner(tmp_path, loss_scale, [dict(kind="weights", iters=[20], value="nan")])
+    # NaN written twice: the first rolled back alone (issue 43), the second gets the known manual fix.
+    r = _runner(tmp_path, loss_scale, [dict(kind="weights", iters=[20, 22], value="nan")])
     run(r)
     hook = opt_hook(r)
     assert type(hook).__name__ == PROFILE.mmcv1_fp16 and hook.loss_scaler.is_enabled()
     assert _module(r.model).fp16_enabled  # wrap_fp16_model ran
     assert next(r.model.parameters()).device.type == PROFILE.device
     assert r.iter == 30 and params_finite(r)
-    (rec,) = read_incidents(str(tmp_path))
+    alone, rec = read_incidents(str(tmp_path))
+    assert alone["cause"]["signals"].get("rollback_alone") is True and alone["actions"] == []
     assert rec["event"] == "divergence" and rec["restored_from"]["source"] == "memory"
-    assert hook.grad_clip["max_norm"] == 1.0 and guard_hook(r).guard.recoveries == 1
+    assert hook.grad_clip["max_norm"] == 1.0 and guard_hook(r).guard.recoveries == 2
 
 
 def test_harmless_overflow_changes_nothing_on_cuda(tmp_path):

@@ -36,15 +36,17 @@ def test_poisoned_weights_recover_on_cuda(tmp_path, loss_scale):
 
     from petr_stability import read_incidents
 
-    runner = _runner(tmp_path, loss_scale, [dict(kind="weights", iters=[20], value="nan")])
+    # NaN written twice: the first rolled back alone (issue 43), the second gets the known manual fix.
+    runner = _runner(tmp_path, loss_scale, [dict(kind="weights", iters=[20, 22], value="nan")])
     runner.train()
     assert type(runner.optim_wrapper).__name__ == PROFILE.mmengine_amp
     assert next(runner.model.parameters()).device.type == PROFILE.device
     assert runner.iter == 30 and params_finite(runner)
-    (rec,) = read_incidents(str(tmp_path))
+    alone, rec = read_incidents(str(tmp_path))
+    assert alone["cause"]["signals"].get("rollback_alone") is True and alone["actions"] == []
     assert rec["event"] == "divergence" and rec["restored_from"]["source"] == "memory"
     assert runner.optim_wrapper.clip_grad_kwargs["max_norm"] == 1.0
-    assert guard_hook(runner).guard.recoveries == 1
+    assert guard_hook(runner).guard.recoveries == 2
     # On a GPU the restored snapshot was copied into pinned host memory (asynchronous copies).
     snap = guard_hook(runner).guard.points.ring.newest_confirmed()
     assert snap is not None and snap.payload["state_dict"]

@@ -26,6 +26,13 @@ SEED = 0
 #: too_high_lr: 780x; cnn_bn too_high_lr: 2.6-3.6x, its features in fp32 and the rate halved once, still 4x the stable
 #: rate). Under the default kernels detr's seed-0 data runs end 1.24x (0.125 against 0.101).
 EVAL_BOUND = 1.4
+#: What the data order alone does to one seed (issue 43): the worst ratio of the reshuffled reference (the reference
+#: with its batches in another order) to the reference over seeds 0-19, native and portable kernels, per model
+#: (docs/results/zoo_reshuffled_native_cpu.json, zoo_nan_weights_default_cpu.json). A rollback replays iterations on
+#: other batches, so a recovered seed is held to EVAL_BOUND times this: a NaN rolled back alone lands 1.41x (cnn_bn)
+#: and 1.49x (temporal) on seed 0 under the portable kernels, inside what another order does to those models; the
+#: recoveries that cost a run (cnn_bn too_high_lr 3.2-3.4x, causal_ts too_high_lr 780x before) stay outside.
+ORDER_FLOOR = {"causal_ts": 1.078, "detr": 1.477, "cnn_bn": 1.335, "temporal": 2.678, "rnn": 1.529}
 
 _RUNS = {}
 
@@ -56,10 +63,15 @@ def _failures(model, scenario):
         failures.append(f"wrong class: {why}; records: {_records(guarded)}")
     if reference.eval_loss is None:
         failures.append("the reference run has no finite held-out loss")
-    elif guarded.eval_loss is None or guarded.eval_loss > EVAL_BOUND * reference.eval_loss:
+    elif guarded.eval_loss is None or guarded.eval_loss > bound(model) * reference.eval_loss:
         failures.append(f"held-out loss {guarded.eval_loss} against the reference's {reference.eval_loss:.4f} "
-                        f"(bound {EVAL_BOUND}x)")
+                        f"(bound {bound(model):.3g}x)")
     return failures
+
+
+def bound(model):
+    """The held-out loss a guarded seed may reach, over its reference's: EVAL_BOUND beyond the data order's floor."""
+    return EVAL_BOUND * max(1.0, ORDER_FLOOR[model])
 
 
 def _records(result):
