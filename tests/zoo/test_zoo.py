@@ -3,7 +3,8 @@
 One test per model x scenario, each asserting what one seed can show: the unguarded run is lost where a fault is
 planted; the guarded run finishes (no false stop), is not lost, gives its scenario's class (a data fault: exactly the
 planted sample quarantined, no module in fp32, no learning-rate change; nothing planted: no incident record at all),
-and ends with a held-out loss no worse than ``EVAL_BOUND`` times the same seed's reference run. Each test reports
+and ends with a held-out loss no worse than ``EVAL_BOUND`` times the same seed's reference run, beyond what another
+order of the same data does to that model (``ORDER_FLOOR``). Each test reports
 every criterion it misses, not only the first.
 
 Before this round 21 of the 25 cells failed against the guard (docs/results/zoo_before_cpu.json); the one it still
