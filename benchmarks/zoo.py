@@ -268,9 +268,9 @@ def markdown(summary: Dict[str, Any]) -> List[str]:
         classes = ", ".join(f"{c} {n}" for c, n in sorted(cell["classes"].items())) or "-"
         shown = (f"{_fmt(floor['ratio'])}, {floor['inside_spread']}/{floor['seeds']}"
                  + (" (misses it too)" if floor and quality(floor, "reshuffled") else "")) if floor else "-"
+        unguarded = "-" if scenario == "none" else f"{cell['unguarded_lost']}/{cell['unguarded_runs']}"
         lines.append(
-            f"| {model} | {scenario} | {'-' if scenario == 'none' else str(cell['unguarded_lost']) + '/'}"
-            f"{'' if scenario == 'none' else cell['unguarded_runs']} | {cell['guarded_lost']}/{cell['guarded_runs']} "
+            f"| {model} | {scenario} | {unguarded} | {cell['guarded_lost']}/{cell['guarded_runs']} "
             f"| {len(cell['false_stops'])} | {classes} | {cell['quarantine_right']}/{cell['quarantine_wrong']} | "
             f"{' | '.join(ratios)} | {total['inside_spread']}/{total['seeds']} ({total['below_spread']} below) | "
             f"{shown} | {'PASS' if not fails else '; '.join(fails)} |")
