@@ -426,6 +426,32 @@ def test_an_overflow_the_weights_grew_into_says_so_and_one_the_healthy_weights_s
     assert merge([every, grew]).signals["weights_grew"] is False
 
 
+def test_an_overflow_the_weights_grew_into_during_a_loss_explosion_says_so_on_every_rank_or_not_at_all():
+    # Issue 43 (the zoo's CNN at 8x its rate): the loss exploded for steps before the weights grew into the overflow.
+    # The class stays forward_overflow (the module goes to fp32); unstable_before makes its restore and rate dynamics'.
+    from types import SimpleNamespace
+
+    from petr_stability.core.recovery.chain import _grew_unstable
+
+    def incident(trouble_since):
+        return SimpleNamespace(signals=SimpleNamespace(trouble_since=trouble_since))
+
+    grew = Classification(Cause.FORWARD_OVERFLOW, "the weights grew into the overflow", ("conv",),
+                          {"weights_grew": True})
+    calm = _grew_unstable(grew, incident(None))
+    assert "unstable_before" not in calm.signals and calm.evidence == grew.evidence
+    hot = _grew_unstable(grew, incident(17))
+    assert hot.cause == Cause.FORWARD_OVERFLOW and hot.modules == ("conv",) and hot.signals["unstable_before"] is True
+    assert "out of its stability band since iter 17" in hot.evidence
+    every = grew.but(signals={"weights_grew": False})  # the healthy weights overflow too: not the rate's doing
+    assert "unstable_before" not in _grew_unstable(every, incident(17)).signals
+    dynamics = Classification(Cause.DYNAMICS, "trains fine on the healthy weights")
+    assert _grew_unstable(dynamics, incident(17)) is dynamics
+    assert merge([hot, None, hot]).signals["unstable_before"] is True
+    # The band's verdict is agreed across ranks; like weights_grew it holds only where every rank shows it.
+    assert merge([hot, grew]).signals["unstable_before"] is False
+
+
 def test_an_overflow_confined_to_one_sample_is_its_data_and_many_batches_are_the_module():
     # A bright but finite frame (x1e4): one row of the batch overflows attn's fp16 forward on every state; re-run from
     # the healthy state it breaks alone beside samples shown clean, and the batch known to be good stays finite there.

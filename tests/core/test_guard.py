@@ -303,3 +303,24 @@ def test_the_first_skip_of_a_streak_keeps_where_the_trouble_started_and_bad_data
     assert trouble.iteration == 34 and len(guard.points.ring) <= guard.config.keep_snapshots  # no more memory
     assert guard.points.next(40, set(), trouble_first=True).iteration == 34
     assert guard.points.next(40, set(), trouble_first=False).iteration == 20  # confirmed, the ladder's
+
+
+def test_a_state_taken_during_a_loss_explosion_comes_after_the_start_state(tmp_path):
+    # Issue 43: healthy means stable. A snapshot taken while the run is out of its stability band (trouble in course
+    # since iteration T) lies on the explosion's path: a rollback takes the states from before T, newest first, then
+    # the run's start state, and only then those taken during the trouble.
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io, snapshot_interval=5, confirm_steps=50, check_interval=50)  # nothing gets confirmed
+    run(io, guard, 12)
+    assert [s.iteration for s in guard.points.ring.snapshots] == [1, 5, 10] and guard.points.start.iteration == 0
+
+    def order(**kw):
+        tried, out = set(), []
+        for _ in range(4):
+            payload = guard.points.next(12, tried, **kw)
+            out.append(payload.iteration if payload.source == "memory" else payload.source)
+        return out
+
+    assert order() == [10, 5, 1, "start"]
+    assert order(trouble_since=7) == [5, 1, "start", 10]
+    assert order(trouble_since=3) == [1, "start", 10, 5]

@@ -270,7 +270,8 @@ def merge(classifications: Sequence[Optional[Classification]]) -> Classification
 
     Precedence: structural > forward overflow > data > dynamics > unknown. ``None`` entries (ranks that saw no
     fault and ran no diagnosis) are ignored; with none left the result is unknown. A forward overflow's
-    ``weights_grew``, and a dynamics divergence's ``between_steps``, hold only where every rank of the class shows it.
+    ``weights_grew`` and ``unstable_before``, and a dynamics divergence's ``between_steps``, hold only where every rank
+    of the class shows it.
     """
     present = [(i, c) for i, c in enumerate(classifications) if c is not None]
     if not present:
@@ -282,7 +283,7 @@ def merge(classifications: Sequence[Optional[Classification]]) -> Classification
             modules.extend(m for m in c.modules if m not in modules)
     ranks = {str(i): c.cause.value for i, c in present}
     signals = dict(best.signals)
-    for shown in ("weights_grew", "between_steps"):  # a signal every rank of the class must show to count
+    for shown in ("weights_grew", "between_steps", "unstable_before"):  # every rank of the class must show it
         if shown in signals:
             signals[shown] = all(c.signals.get(shown) for _, c in present if c.cause == best.cause)
     return Classification(best.cause, best.evidence, modules, signals, ranks)

@@ -453,7 +453,8 @@ class IncidentChain:
         # again (a burst of bad batches rolls back to the same point, batch by batch). Other causes spend it.
         spent = set(self.tried) if inc.cls.cause == Cause.DATA else self.tried
         payload = self.points.start_payload(spent) if inc.cls.signals.get("overturned") else self.points.next(
-            inc.iteration, spent, trouble_first=inc.cls.cause in (Cause.DATA, Cause.FORWARD_OVERFLOW))
+            inc.iteration, spent, trouble_first=inc.cls.cause in (Cause.DATA, Cause.FORWARD_OVERFLOW)
+            and not inc.cls.signals.get("unstable_before"), trouble_since=inc.signals.trouble_since)
         if payload is None:
             tried = ", ".join(sorted(self.tried)) or "none existed"
             inc.stop = (NoHealthyStateError, f"no healthy state of this run is left to roll back to (tried: {tried}; "
@@ -572,6 +573,21 @@ def _between_steps(c: Classification, inc: Incident) -> Classification:
                  signals={**c.signals, "between_steps": True})
 
 
+def _grew_unstable(c: Classification, inc: Incident) -> Classification:
+    """A forward overflow the weights grew into while the run was already out of its stability band (trouble in
+    course: its loss or grad_norm exploding before the overflow) carries the signal ``unstable_before``: the learning
+    rate drove the weights there, and the state where the overflow's streak began lies on the explosion's path. It is
+    answered as dynamics is: back to the newest confirmed state, the rate x ``lr_backoff`` (the module in fp32 as
+    well)."""
+    since = inc.signals.trouble_since
+    if c.cause != Cause.FORWARD_OVERFLOW or not c.signals.get("weights_grew") or since is None:
+        return c
+    return c.but(evidence=c.evidence + f"; the run was out of its stability band since iter {since} (its loss or "
+                                       "grad_norm exploding before the overflow): the learning rate drove the "
+                                       "weights there",
+                 signals={**c.signals, "unstable_before": True})
+
+
 class _Divergence(_Kind):
     """A confirmed divergence: replay, classify, the class's remedies, roll back."""
 
@@ -593,7 +609,7 @@ class _Divergence(_Kind):
             if own and local.cause in (Cause.DYNAMICS, Cause.UNKNOWN):
                 # The batch in hand trains fine, but an earlier batch of its accumulation window holds NaN/Inf.
                 local = from_inputs(own, inc.iteration)
-            return _between_steps(local, inc)
+            return _grew_unstable(_between_steps(local, inc), inc)
         # No replay: the batch's own values are the evidence there is (a sample holding NaN is bad data).
         local = from_inputs(inc.mine["named"], inc.iteration) if inc.batch is not None else None
         if local is None and not distributed.is_distributed():

@@ -93,7 +93,9 @@ class LrBackoff(Remedy):
 
     It also answers a forward overflow whose replay shows the weights grew into it (``weights_grew``: the same batch
     stays finite in fp16 on the healthy weights), beside the fp32 remedy: the module in fp32 stops the overflow,
-    the lower rate stops the growth that led there (``lr_on_overflow``; docs/demo.md measures both). An overflow
+    the lower rate stops the growth that led there (``lr_on_overflow``; docs/demo.md measures both): by
+    ``overflow_lr_backoff``, or by ``lr_backoff`` where the run was already out of its stability band when the
+    overflow came (``unstable_before``: the loss exploding says the rate is the cause; docs/zoo.md). An overflow
     that the healthy weights show too is the batch's or the architecture's: no learning-rate change.
 
     With ``lr_rewarm=N`` (0: never) it gives the rate back once the run is stable again: after N healthy iterations
@@ -111,8 +113,9 @@ class LrBackoff(Remedy):
                         "learning-rate rung (every param group and schedule). Tuned on the model zoo's seeds 0-9: a "
                         "rate 5-8x too high trains to its reference's quality at 0.125, not at 0.5 (docs/zoo.md)."),
                 Setting("overflow_lr_backoff", 0.5, is_number(0.0, 1.0), "learning-rate factor of "
-                        "``lr_on_overflow``, beside the module put in fp32 (tuned on the demo's seeds 0-9: 0.5 "
-                        "beats 0.25 and 0.125 there, docs/demo.md)."),
+                        "``lr_on_overflow``, beside the module put in fp32, where the loss was stable up to the "
+                        "overflow (tuned on the demo's seeds 0-9: 0.5 beats 0.25 and 0.125 there, docs/demo.md; "
+                        "after a loss explosion ``lr_backoff`` applies, docs/zoo.md)."),
                 Setting("lr_on_overflow", True, is_bool, "a forward overflow whose batch stays finite in fp16 on "
                         "the healthy weights (the weights grew into it: the learning rate drove them there) also "
                         "backs the learning rate off by ``overflow_lr_backoff``, beside the module in fp32; False: the "
@@ -155,8 +158,11 @@ class LrBackoff(Remedy):
         return scale_lr(run.io.optimizers(), self.lr_factor / then, run.io.restored_lr_schedulers())
 
     def after_restore(self, run: Run, incident: Incident) -> List[Change]:
-        factor = self.config.overflow_lr_backoff if incident.cls is not None and (
-            incident.cls.cause == Cause.FORWARD_OVERFLOW) else self.config.lr_backoff
+        # A forward overflow the weights grew into under a stable loss: the overflow's own factor. One that came
+        # while the loss was already exploding (``unstable_before``) is the rate's doing: the dynamics factor.
+        cls = incident.cls
+        factor = self.config.overflow_lr_backoff if cls is not None and cls.cause == Cause.FORWARD_OVERFLOW and (
+            not cls.signals.get("unstable_before")) else self.config.lr_backoff
         self.lr_factor *= factor
         # A backoff after a re-warm: that re-warm came too soon, the next one waits twice as long.
         self.lr_rewarm_wait = self.lr_rewarm_wait * 2 if self.lr_rewarms else self.config.lr_rewarm
