@@ -356,6 +356,8 @@ class NanGuard:
         # The step's own iteration and epoch; acted on now, at `acted_at` (one iteration later under a group).
         acted_at, now_epoch = self.io.completed(inside)
         signals.trouble_since = self.stability.trouble_since
+        healthy = self.points.healthy()
+        signals.unstable_since = self.stability.unstable_after(healthy.iteration if healthy is not None else -1)
         data_epoch = self.batches.epoch_of(signals.iteration) if entry == Entry.SKIP else None
         epoch = now_epoch if epoch is None else epoch
         return Incident(signals, decision, inside, signals.iteration, epoch, self.batches.batch, self.batches.rng,

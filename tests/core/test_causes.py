@@ -426,15 +426,15 @@ def test_an_overflow_the_weights_grew_into_says_so_and_one_the_healthy_weights_s
     assert merge([every, grew]).signals["weights_grew"] is False
 
 
-def test_an_overflow_the_weights_grew_into_during_a_loss_explosion_says_so_on_every_rank_or_not_at_all():
+def test_an_overflow_the_weights_grew_into_after_a_loss_explosion_says_so_on_every_rank_or_not_at_all():
     # Issue 43 (the zoo's CNN at 8x its rate): the loss exploded for steps before the weights grew into the overflow.
     # The class stays forward_overflow (the module goes to fp32); unstable_before makes its restore and rate dynamics'.
     from types import SimpleNamespace
 
     from petr_stability.core.recovery.chain import _grew_unstable
 
-    def incident(trouble_since):
-        return SimpleNamespace(signals=SimpleNamespace(trouble_since=trouble_since))
+    def incident(unstable_since):  # the first unstable step since the newest healthy state
+        return SimpleNamespace(signals=SimpleNamespace(unstable_since=unstable_since))
 
     grew = Classification(Cause.FORWARD_OVERFLOW, "the weights grew into the overflow", ("conv",),
                           {"weights_grew": True})
@@ -442,7 +442,7 @@ def test_an_overflow_the_weights_grew_into_during_a_loss_explosion_says_so_on_ev
     assert "unstable_before" not in calm.signals and calm.evidence == grew.evidence
     hot = _grew_unstable(grew, incident(17))
     assert hot.cause == Cause.FORWARD_OVERFLOW and hot.modules == ("conv",) and hot.signals["unstable_before"] is True
-    assert "out of its stability band since iter 17" in hot.evidence
+    assert "left its stability band at iter 17" in hot.evidence
     every = grew.but(signals={"weights_grew": False})  # the healthy weights overflow too: not the rate's doing
     assert "unstable_before" not in _grew_unstable(every, incident(17)).signals
     dynamics = Classification(Cause.DYNAMICS, "trains fine on the healthy weights")

@@ -306,9 +306,9 @@ def test_the_first_skip_of_a_streak_keeps_where_the_trouble_started_and_bad_data
 
 
 def test_a_state_taken_during_a_loss_explosion_comes_after_the_start_state(tmp_path):
-    # Issue 43: healthy means stable. A snapshot taken while the run is out of its stability band (trouble in course
-    # since iteration T) lies on the explosion's path: a rollback takes the states from before T, newest first, then
-    # the run's start state, and only then those taken during the trouble.
+    # Issue 43: healthy means stable. A snapshot taken since the run left its stability band (its first unstable step
+    # since the newest healthy state: T) lies on the explosion's path: a rollback takes the states from before T, newest
+    # first, then the run's start state, and only then those taken since T.
     io = FakeIO(str(tmp_path), mode="dynamic")
     guard = make_guard(io, snapshot_interval=5, confirm_steps=50, check_interval=50)  # nothing gets confirmed
     run(io, guard, 12)
@@ -322,5 +322,5 @@ def test_a_state_taken_during_a_loss_explosion_comes_after_the_start_state(tmp_p
         return out
 
     assert order() == [10, 5, 1, "start"]
-    assert order(trouble_since=7) == [5, 1, "start", 10]
-    assert order(trouble_since=3) == [1, "start", 10, 5]
+    assert order(unstable_since=7) == [5, 1, "start", 10]
+    assert order(unstable_since=3) == [1, "start", 10, 5]

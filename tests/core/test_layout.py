@@ -146,7 +146,7 @@ def test_how_it_works_lists_the_files_one_divergence_really_goes_through():
     on_path = set(found) - {"petr_stability/adapters/torch_loop.py"}
     assert sorted(listed - on_path) == [], "listed, but no longer on the path"
     assert sorted(on_path - listed) == [], "on the path, but not listed"
-    assert len(found) <= 30 and hops <= 55, (len(found), hops)
+    assert len(found) <= 30 and hops <= 56, (len(found), hops)
 
 
 def test_a_remedy_that_does_not_act_changes_nothing_on_the_divergence_path():

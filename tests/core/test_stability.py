@@ -140,3 +140,22 @@ def test_a_signed_loss_is_judged_by_grad_norm_alone():
         assert watch.judge(loss, 2.0) is None
         watch.update(loss, 2.0, False, i)
     assert not watch.loss_positive and watch.judge(1e6, 2.0) is None and watch.judge(0.1, 2000.0) is not None
+
+
+def test_unstable_steps_are_remembered_per_path_and_survive_a_resume():
+    # unstable_since of an incident: the first step judged unstable after the newest healthy state, a trouble since
+    # ended included. A rollback starts a new path: the abandoned path's unstable steps no longer count.
+    w = StabilityWatch(window=10, warmup=2)
+    for it in range(1, 13):
+        w.update(1.0, 1.0, it in (6, 9), it)
+    assert w.trouble_since == 6 and w.unstable_after(0) == 6 and w.unstable_after(6) == 9
+    for it in range(13, 20):  # calm: the trouble ends, the steps stay remembered
+        w.update(1.0, 1.0, False, it)
+    assert w.trouble_since is None and w.unstable_after(5) == 6 and w.unstable_after(9) is None
+    again = StabilityWatch(window=10, warmup=2)
+    again.load_state_dict(w.state_dict())
+    assert again.unstable_after(0) == 6 and again.last_iteration == 19
+    again.update(1.0, 1.0, False, 8)  # rolled back to 7: step 9 was on the abandoned path, 6 was not
+    assert again.unstable_after(0) == 6 and again.unstable_after(6) is None
+    again.update(1.0, 1.0, False, 3)
+    assert again.unstable_after(0) is None

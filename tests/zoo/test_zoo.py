@@ -149,7 +149,7 @@ def test_an_overflow_the_loss_explosion_led_to_is_answered_as_dynamics():
     guarded = _run("cnn_bn", "too_high_lr", "guarded")
     (divergence,) = [r for r in guarded.incidents if r["event"] == "divergence"]
     assert divergence["cause"] == "forward_overflow" and "weights grew into the overflow" in divergence["evidence"]
-    assert "out of its stability band since iter" in divergence["evidence"], divergence["evidence"]
+    assert "left its stability band at iter" in divergence["evidence"], divergence["evidence"]
     assert guarded.lr_factor == GuardConfig().lr_backoff and guarded.fp32_modules == ["features"]
-    since = int(divergence["evidence"].split("stability band since iter ")[1].split()[0])
+    since = int(divergence["evidence"].split("stability band at iter ")[1].split(",")[0])
     assert divergence["iteration"] - divergence["iterations_lost"] < since  # restored to a state before the trouble

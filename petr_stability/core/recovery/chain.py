@@ -454,7 +454,7 @@ class IncidentChain:
         spent = set(self.tried) if inc.cls.cause == Cause.DATA else self.tried
         payload = self.points.start_payload(spent) if inc.cls.signals.get("overturned") else self.points.next(
             inc.iteration, spent, trouble_first=inc.cls.cause in (Cause.DATA, Cause.FORWARD_OVERFLOW)
-            and not inc.cls.signals.get("unstable_before"), trouble_since=inc.signals.trouble_since)
+            and not inc.cls.signals.get("unstable_before"), unstable_since=inc.signals.unstable_since)
         if payload is None:
             tried = ", ".join(sorted(self.tried)) or "none existed"
             inc.stop = (NoHealthyStateError, f"no healthy state of this run is left to roll back to (tried: {tried}; "
@@ -574,17 +574,17 @@ def _between_steps(c: Classification, inc: Incident) -> Classification:
 
 
 def _grew_unstable(c: Classification, inc: Incident) -> Classification:
-    """A forward overflow the weights grew into while the run was already out of its stability band (trouble in
-    course: its loss or grad_norm exploding before the overflow) carries the signal ``unstable_before``: the learning
-    rate drove the weights there, and the state where the overflow's streak began lies on the explosion's path. It is
-    answered as dynamics is: back to the newest confirmed state, the rate x ``lr_backoff`` (the module in fp32 as
-    well)."""
-    since = inc.signals.trouble_since
+    """A forward overflow the weights grew into after the run left its stability band (its loss or grad_norm judged
+    unstable since the newest healthy state: an explosion, in course or ended, before the overflow) carries the signal
+    ``unstable_before``: the learning rate drove the weights there, and the states since the explosion began lie on
+    its path. It is answered as dynamics is: back to the newest state from before the trouble, the rate x
+    ``lr_backoff`` (the module in fp32 as well)."""
+    since = inc.signals.unstable_since
     if c.cause != Cause.FORWARD_OVERFLOW or not c.signals.get("weights_grew") or since is None:
         return c
-    return c.but(evidence=c.evidence + f"; the run was out of its stability band since iter {since} (its loss or "
-                                       "grad_norm exploding before the overflow): the learning rate drove the "
-                                       "weights there",
+    return c.but(evidence=c.evidence + f"; the run left its stability band at iter {since}, after its newest healthy "
+                                       "state (its loss or grad_norm exploding before the overflow): the learning "
+                                       "rate drove the weights there",
                  signals={**c.signals, "unstable_before": True})
 
 

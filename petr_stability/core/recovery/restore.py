@@ -28,10 +28,10 @@ _AT_TROUBLE = "memory (where the trouble started)"
 RESTORE_ORDER = (
     "for bad data and a forward overflow only: the snapshot taken where the trouble started",
     "confirmed snapshots, newest first",
-    "unconfirmed snapshots of this run, newest first, but for those taken during the trouble in course",
+    "unconfirmed snapshots of this run, newest first, but for those taken since it left its stability band",
     "the state the run started from (before its first step, or right after resume)",
-    "unconfirmed snapshots taken during the trouble in course (a loss or grad_norm explosion: its path), newest "
-    "first",
+    "unconfirmed snapshots taken since the run left its stability band (after its newest healthy state: on a loss "
+    "or grad_norm explosion's path), newest first",
     "this run's finite checkpoints, newest first",
 )
 
@@ -131,7 +131,7 @@ class RestorePoints:
 
     # ------------------------------------------------------------------ offering them
     def _points(self, now: int, tried: Set[str], trouble_first: bool = False,
-                trouble_since: Optional[int] = None) -> Iterator[_Point]:
+                unstable_since: Optional[int] = None) -> Iterator[_Point]:
         ring = self.ring
         confirmed = [s for s in reversed(ring.snapshots) if ring.is_confirmed(s)]
         pending = [s for s in reversed(ring.snapshots) if not ring.is_confirmed(s)]
@@ -139,15 +139,15 @@ class RestorePoints:
         # closest healthy state. For the others an unconfirmed one is no restore point at all.
         trouble = [s for s in pending if s.at_trouble]
         pending = [s for s in pending if not s.at_trouble]
-        # A state taken during a loss explosion in course lies on its path: after the run's start state, not before.
-        during = [s for s in pending if trouble_since is not None and s.iteration >= trouble_since]
+        # A state taken since the run left its band lies on the explosion's path: after the run's start state.
+        during = [s for s in pending if unstable_since is not None and s.iteration >= unstable_since]
         pending = [s for s in pending if s not in during]
         for kind, snaps in (((_AT_TROUBLE, trouble),) if trouble_first else ()) + (
                 ("memory", confirmed), ("memory (unconfirmed)", pending)):
             yield from self._snapshot_points(kind, snaps)
         if self.start is not None:
             yield _Point(self.start_key(), "start", self.start.iteration, lambda: self.payload(self.start, "start"))
-        yield from self._snapshot_points("memory (unconfirmed, taken during the trouble)", during)
+        yield from self._snapshot_points("memory (unconfirmed, taken since the run left its band)", during)
         if self.from_checkpoints:
             yield _Point("checkpoints", "checkpoint", -1, lambda: self._checkpoint_payload(now, tried))
 
@@ -161,12 +161,12 @@ class RestorePoints:
         return f"start state (iter {self.start.iteration})" if self.start is not None else ""
 
     def next(self, now: int, tried: Set[str], trouble_first: bool = False,
-             trouble_since: Optional[int] = None) -> Optional[Payload]:
+             unstable_since: Optional[int] = None) -> Optional[Payload]:
         """The first point in :data:`RESTORE_ORDER` not in ``tried`` (which it extends); None when all are spent. With
         ``trouble_first`` (a class whose state was fine: bad data, a forward overflow), the unconfirmed snapshots taken
         where the trouble started come first; otherwise they are not offered. Unconfirmed snapshots taken at or after
-        ``trouble_since`` (the first unstable step of the loss or grad_norm explosion in course) come after the start
-        state: they lie on the explosion's path.
+        ``unstable_since`` (the first step judged unstable since the newest healthy state: a loss or grad_norm
+        explosion, in course or ended) come after the start state: they lie on the explosion's path.
 
         When every point is spent but the run trained on from its start state for more than one iteration (on data
         that moved on), the start state cannot be what diverged: it is the last healthy state of this run and is
@@ -174,10 +174,10 @@ class RestorePoints:
         a restore are all loss-scale calibration (no snapshot can be confirmed) needs this. Every rank must call it
         at the same point (reading a checkpoint is a collective).
         """
-        payload = self._first_untried(now, tried, trouble_first, trouble_since)
+        payload = self._first_untried(now, tried, trouble_first, unstable_since)
         if payload is None and self.start is not None and now - self.start.iteration > 1:
             tried.discard(self.start_key())
-            payload = self._first_untried(now, tried, trouble_first, trouble_since)
+            payload = self._first_untried(now, tried, trouble_first, unstable_since)
         return payload
 
     def start_payload(self, tried: Set[str]) -> Optional[Payload]:
@@ -189,8 +189,8 @@ class RestorePoints:
         return self.payload(self.start, "start")
 
     def _first_untried(self, now: int, tried: Set[str], trouble_first: bool,
-                       trouble_since: Optional[int] = None) -> Optional[Payload]:
-        for point in self._points(now, tried, trouble_first, trouble_since):
+                       unstable_since: Optional[int] = None) -> Optional[Payload]:
+        for point in self._points(now, tried, trouble_first, unstable_since):
             if point.key in tried:
                 continue
             if point.kind != "checkpoint":

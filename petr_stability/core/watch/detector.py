@@ -39,6 +39,9 @@ class StepSignals:
         weights_finite: result of a weight/buffer health check run on this step, or None if none ran.
         trouble_since: the first unstable step of the trouble in course when an incident came (watch/spikes.py), or
             None: how long the loss or grad_norm had been out of the run's band before it.
+        unstable_since: the first step judged unstable since the newest healthy state (the newest confirmed
+            snapshot, else the run's start) when an incident came, the trouble since ended included; None: the run
+            was stable since that state.
     """
 
     iteration: int
@@ -50,6 +53,7 @@ class StepSignals:
     step_applied: Optional[bool] = None
     weights_finite: Optional[bool] = None
     trouble_since: Optional[int] = None
+    unstable_since: Optional[int] = None
 
     @property
     def suspicious(self) -> bool:

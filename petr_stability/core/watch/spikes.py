@@ -150,6 +150,9 @@ GRAD_NORM_Z = 2.0
 
 #: How many step-to-step swings of the loss :class:`StabilityWatch` keeps (a stable regime needs a calm median).
 SWING_STEPS = 8
+#: Unstable steps remembered by iteration (:meth:`StabilityWatch.unstable_after`): those since the newest healthy
+#: state matter, and a healthy state is one ``confirm_steps`` stable steps followed.
+UNSTABLE_KEPT = 64
 
 #: The median absolute deviation of a normal distribution times this is its standard deviation.
 MAD_SIGMA = 1.4826
@@ -218,6 +221,10 @@ class StabilityWatch:
         self.seen = 0  #: stable-or-not applied steps added so far
         self.unstable_steps = 0  #: applied steps judged unstable so far
         self.trouble_since: Optional[int] = None  #: the first unstable step of the trouble in course, or None
+        #: The latest unstable steps of this path (a step numbered at or below the last one seen is a rollback: the
+        #: abandoned path's are dropped), for :meth:`unstable_after`.
+        self.unstable_at: Deque[int] = deque(maxlen=UNSTABLE_KEPT)
+        self.last_iteration: Optional[int] = None
         self.calm = 0  #: stable applied steps in a row: trouble ends after SWING_STEPS // 2 of them
 
     @staticmethod
@@ -262,6 +269,11 @@ class StabilityWatch:
         """Adds one applied step with its agreed judgement; returns whether it starts trouble (the first unstable step
         after stable ones)."""
         self.seen += 1
+        if self.last_iteration is not None and iteration <= self.last_iteration:  # rolled back: a new path
+            self.unstable_at = deque((i for i in self.unstable_at if i < iteration), maxlen=UNSTABLE_KEPT)
+        self.last_iteration = iteration
+        if unstable:
+            self.unstable_at.append(iteration)
         if loss is not None and math.isfinite(loss) and loss <= 0:
             self.loss_positive = False
         loss = loss if self.loss_positive else None
@@ -295,13 +307,19 @@ class StabilityWatch:
             self.trouble_since = None
         return starts
 
+    def unstable_after(self, iteration: int) -> Optional[int]:
+        """The first step of this path judged unstable after ``iteration`` (among the last ``UNSTABLE_KEPT``), or
+        None: stable since."""
+        return next((i for i in self.unstable_at if i > iteration), None)
+
     def state_dict(self) -> Dict[str, Any]:
         """Everything :meth:`load_state_dict` needs to continue exactly (JSON-ready)."""
         return {"version": 1, "bands": {k: list(b.values) for k, b in self.bands.items()}, "seen": self.seen,
                 "unstable_steps": self.unstable_steps, "trouble_since": self.trouble_since,
                 "swings": list(self.swings), "last_log_loss": self.last_log_loss, "early": list(self.early),
                 "held": {k: list(v) for k, v in self.held.items()}, "calm": self.calm,
-                "loss_positive": self.loss_positive}
+                "loss_positive": self.loss_positive, "unstable_at": list(self.unstable_at),
+                "last_iteration": self.last_iteration}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output; missing keys take their fresh values (an older checkpoint)."""
@@ -318,3 +336,6 @@ class StabilityWatch:
         self.unstable_steps = int(state.get("unstable_steps", 0))
         since = state.get("trouble_since")
         self.trouble_since = None if since is None else int(since)
+        self.unstable_at = deque((int(i) for i in state.get("unstable_at", [])), maxlen=UNSTABLE_KEPT)
+        last = state.get("last_iteration")
+        self.last_iteration = None if last is None else int(last)
