@@ -94,8 +94,8 @@ class LrBackoff(Remedy):
     It also answers a forward overflow whose replay shows the weights grew into it (``weights_grew``: the same batch
     stays finite in fp16 on the healthy weights), beside the fp32 remedy: the module in fp32 stops the overflow,
     the lower rate stops the growth that led there (``lr_on_overflow``; docs/demo.md measures both): by
-    ``overflow_lr_backoff``, or by ``lr_backoff`` where the run was already out of its stability band when the
-    overflow came (``unstable_before``: the loss exploding says the rate is the cause; docs/zoo.md). An overflow
+    ``overflow_lr_backoff``, or by ``lr_backoff`` where the run left its stability band since its newest healthy
+    state (``unstable_before``: the loss exploding says the rate is the cause; docs/zoo.md). An overflow
     that the healthy weights show too is the batch's or the architecture's: no learning-rate change.
 
     With ``lr_rewarm=N`` (0: never) it gives the rate back once the run is stable again: after N healthy iterations
@@ -159,7 +159,7 @@ class LrBackoff(Remedy):
 
     def after_restore(self, run: Run, incident: Incident) -> List[Change]:
         # A forward overflow the weights grew into under a stable loss: the overflow's own factor. One that came
-        # while the loss was already exploding (``unstable_before``) is the rate's doing: the dynamics factor.
+        # after the loss exploded (``unstable_before``) is the rate's doing: the dynamics factor.
         cls = incident.cls
         factor = self.config.overflow_lr_backoff if cls is not None and cls.cause == Cause.FORWARD_OVERFLOW and (
             not cls.signals.get("unstable_before")) else self.config.lr_backoff
