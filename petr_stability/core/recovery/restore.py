@@ -140,8 +140,9 @@ class RestorePoints:
         trouble = [s for s in pending if s.at_trouble]
         pending = [s for s in pending if not s.at_trouble]
         # A state taken since the run left its band lies on the explosion's path: after the run's start state.
-        during = [s for s in pending if unstable_since is not None and s.iteration >= unstable_since]
-        pending = [s for s in pending if s not in during]
+        since = unstable_since if unstable_since is not None else float("inf")
+        during = [s for s in pending if s.iteration >= since]
+        pending = [s for s in pending if s.iteration < since]
         for kind, snaps in (((_AT_TROUBLE, trouble),) if trouble_first else ()) + (
                 ("memory", confirmed), ("memory (unconfirmed)", pending)):
             yield from self._snapshot_points(kind, snaps)

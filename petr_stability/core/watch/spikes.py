@@ -221,10 +221,9 @@ class StabilityWatch:
         self.seen = 0  #: stable-or-not applied steps added so far
         self.unstable_steps = 0  #: applied steps judged unstable so far
         self.trouble_since: Optional[int] = None  #: the first unstable step of the trouble in course, or None
-        #: The latest unstable steps of this path (a step numbered at or below the last one seen is a rollback: the
-        #: abandoned path's are dropped), for :meth:`unstable_after`.
+        #: The latest unstable steps of this path, in order, for :meth:`unstable_after` (a step numbered at or below
+        #: one of them follows a rollback: the abandoned path's are dropped).
         self.unstable_at: Deque[int] = deque(maxlen=UNSTABLE_KEPT)
-        self.last_iteration: Optional[int] = None
         self.calm = 0  #: stable applied steps in a row: trouble ends after SWING_STEPS // 2 of them
 
     @staticmethod
@@ -269,9 +268,8 @@ class StabilityWatch:
         """Adds one applied step with its agreed judgement; returns whether it starts trouble (the first unstable step
         after stable ones)."""
         self.seen += 1
-        if self.last_iteration is not None and iteration <= self.last_iteration:  # rolled back: a new path
-            self.unstable_at = deque((i for i in self.unstable_at if i < iteration), maxlen=UNSTABLE_KEPT)
-        self.last_iteration = iteration
+        while self.unstable_at and self.unstable_at[-1] >= iteration:  # rolled back: the abandoned path's
+            self.unstable_at.pop()
         if unstable:
             self.unstable_at.append(iteration)
         if loss is not None and math.isfinite(loss) and loss <= 0:
@@ -318,8 +316,7 @@ class StabilityWatch:
                 "unstable_steps": self.unstable_steps, "trouble_since": self.trouble_since,
                 "swings": list(self.swings), "last_log_loss": self.last_log_loss, "early": list(self.early),
                 "held": {k: list(v) for k, v in self.held.items()}, "calm": self.calm,
-                "loss_positive": self.loss_positive, "unstable_at": list(self.unstable_at),
-                "last_iteration": self.last_iteration}
+                "loss_positive": self.loss_positive, "unstable_at": list(self.unstable_at)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output; missing keys take their fresh values (an older checkpoint)."""
@@ -337,5 +334,3 @@ class StabilityWatch:
         since = state.get("trouble_since")
         self.trouble_since = None if since is None else int(since)
         self.unstable_at = deque((int(i) for i in state.get("unstable_at", [])), maxlen=UNSTABLE_KEPT)
-        last = state.get("last_iteration")
-        self.last_iteration = None if last is None else int(last)
