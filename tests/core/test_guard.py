@@ -305,6 +305,28 @@ def test_the_first_skip_of_a_streak_keeps_where_the_trouble_started_and_bad_data
     assert guard.points.next(40, set(), trouble_first=False).iteration == 20  # confirmed, the ladder's
 
 
+@pytest.mark.parametrize("grew, restored", [(False, 34), (True, 20)])
+def test_an_overflow_the_weights_grew_into_rolls_back_to_a_confirmed_state_not_where_the_streak_began(
+        tmp_path, monkeypatch, grew, restored):
+    # Issue 43: the state where a skip streak began is healthy for an overflow the healthy weights show too (every
+    # batch, or this batch's data): the run goes on from there. An overflow the weights grew into says that state is
+    # the grown one: it lies on the growth's path, and the run goes back to its newest confirmed state, as for dynamics.
+    import petr_stability.core.recovery.chain as chain_module
+    from petr_stability.core.causes import Cause, Classification
+
+    io = FakeIO(str(tmp_path), mode="dynamic")
+    guard = make_guard(io, snapshot_interval=20, confirm_steps=5, check_interval=50)
+    cls = Classification(Cause.FORWARD_OVERFLOW, "the out layer's fp16 forward overflows", modules=["out"],
+                         signals={"weights_grew": grew})
+    monkeypatch.setattr(chain_module._Divergence, "classify", lambda self, chain, inc: cls)
+    run(io, guard, 36, faults={33: "grad"})  # iteration 34 skips: the streak starts there (its restore point)
+    assert [s.iteration for s in guard.points.ring.snapshots if s.at_trouble] == [34]
+    run(io, guard, 40, faults={37: "weights"})
+    (rec,) = [r for r in read_incidents(str(tmp_path)) if r["event"] == "divergence"]
+    assert rec["cause"]["cause"] == "forward_overflow" and rec["restored_from"]["iteration"] == restored
+    assert io.restores == [restored]
+
+
 def test_a_state_taken_during_a_loss_explosion_comes_after_the_start_state(tmp_path):
     # Issue 43: healthy means stable. A snapshot taken since the run left its stability band (its first unstable step
     # since the newest healthy state: T) lies on the explosion's path: a rollback takes the states from before T, newest

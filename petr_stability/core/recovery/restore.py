@@ -26,7 +26,8 @@ _AT_TROUBLE = "memory (where the trouble started)"
 #: Where a rollback looks, in this order; each point is tried at most once per incident chain (until a state
 #: taken after the latest recovery is confirmed). docs/how-it-works.md, "Restore points", says why.
 RESTORE_ORDER = (
-    "for bad data and a forward overflow only: the snapshot taken where the trouble started",
+    "for bad data and a forward overflow the healthy weights show too (not one the weights grew into) only: the "
+    "snapshot taken where the trouble started",
     "confirmed snapshots, newest first",
     "unconfirmed snapshots of this run, newest first, but for those taken since it left its stability band",
     "the state the run started from (before its first step, or right after resume)",
@@ -135,8 +136,9 @@ class RestorePoints:
         ring = self.ring
         confirmed = [s for s in reversed(ring.snapshots) if ring.is_confirmed(s)]
         pending = [s for s in reversed(ring.snapshots) if not ring.is_confirmed(s)]
-        # Where the trouble started, first: for a class whose state was fine (bad data, a forward overflow) it is the
-        # closest healthy state. For the others an unconfirmed one is no restore point at all.
+        # Where the trouble started, first: for a class whose state was fine (bad data, a forward overflow the healthy
+        # weights show too) it is the closest healthy state. For the others an unconfirmed one is no restore point at
+        # all.
         trouble = [s for s in pending if s.at_trouble]
         pending = [s for s in pending if not s.at_trouble]
         # A state taken since the run left its band lies on the explosion's path: after the run's start state.
@@ -164,10 +166,11 @@ class RestorePoints:
     def next(self, now: int, tried: Set[str], trouble_first: bool = False,
              unstable_since: Optional[int] = None) -> Optional[Payload]:
         """The first point in :data:`RESTORE_ORDER` not in ``tried`` (which it extends); None when all are spent. With
-        ``trouble_first`` (a class whose state was fine: bad data, a forward overflow), the unconfirmed snapshots taken
-        where the trouble started come first; otherwise they are not offered. Unconfirmed snapshots taken at or after
-        ``unstable_since`` (the first step judged unstable since the newest healthy state: a loss or grad_norm
-        explosion, in course or ended) come after the start state: they lie on the explosion's path.
+        ``trouble_first`` (a class whose state was fine: bad data, a forward overflow the healthy weights show too), the
+        unconfirmed snapshots taken where the trouble started come first; otherwise they are not offered. Unconfirmed
+        snapshots taken at or after ``unstable_since`` (the first step judged unstable since the newest healthy state:
+        a loss or grad_norm explosion, in course or ended) come after the start state: they lie on the explosion's
+        path.
 
         When every point is spent but the run trained on from its start state for more than one iteration (on data
         that moved on), the start state cannot be what diverged: it is the last healthy state of this run and is

@@ -133,8 +133,9 @@ class Snapshot:
         tags: what the remedies recorded with it (:attr:`~..port.Payload.tags`).
         at_trouble: taken where the detector first saw trouble (the first skipped step of a streak: the weights of
             the last applied step), not by the snapshot clock: the restore point for bad data and a forward overflow
-            (the state was fine, the batch or a module's fp16 range was not), never for the dynamics ladder while
-            unconfirmed (a state at the edge of a divergence is no state to return to there).
+            the healthy weights show too (the state was fine, the batch or a module's fp16 range was not; not for
+            one the weights grew into), never for the dynamics ladder while unconfirmed (a state at the edge of a
+            divergence is no state to return to there).
     """
 
     iteration: int
