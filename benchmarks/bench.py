@@ -254,9 +254,10 @@ def iterations_lost(trials: int = 300, epoch_iters: int = 28130 // 8, **guard: A
     - seen as it happens (NaN weights, a divergence with nothing before it): back to the newest confirmed snapshot;
     - a loss explosion first (a too-high rate): the band calls its steps unstable from the first one out of it, so the
       newest confirmed snapshot is one from before it; the explosion lasts 5-30 steps before the divergence;
-    - a skip streak classed bad data or a forward overflow: back to where it started (the detector fires at the
-      streak's fifth skip);
-    - a skip streak classed dynamics: the ladder takes confirmed states only: the newest confirmed, the streak later.
+    - a skip streak classed bad data or a forward overflow the healthy weights show too: back to where it started
+      (the detector fires at the streak's fifth skip);
+    - a skip streak classed dynamics, or a forward overflow the weights grew into: confirmed states only: the newest
+      confirmed, the streak later.
     """
     cfg = GuardConfig(**guard)
     rng = random.Random(0)

@@ -60,9 +60,9 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              "run that module in fp32 from now on; where the same batch stays finite in fp16 on the healthy "
              "weights (the weights grew into the overflow), learning rate x {overflow_lr_backoff} (schedules too) as "
              "well (lr_on_overflow), or, where the run left its stability band since its newest healthy state (the "
-             "loss or grad_norm exploding before the overflow: the rate drove the weights there), x {lr_backoff} "
-             "and back to a state from before the explosion, as for dynamics; roll back (already in fp32: "
-             "structural)",
+             "loss or grad_norm exploding before the overflow: the rate drove the weights there), x {lr_backoff}, "
+             "and back to the newest confirmed state, as for dynamics (not where the skip streak began: the grown "
+             "state); roll back (already in fp32: structural)",
              True, "the module named runs in fp32; the patched config carries the switch"),
     CauseRow(Cause.DATA, "data",
              "the batch arrives non-finite at the model's input, or breaks the healthy weights too while a batch "

@@ -65,6 +65,24 @@ def test_the_reshuffled_reference_reads_later_frames_at_the_reference_rate(tmp_p
     assert not any(type(h).__name__ == "NanGuardHook" for r in built.values() for h in r.hooks)
 
 
+def test_the_remedied_run_is_the_guards_answer_from_the_first_iteration(tmp_path):
+    """benchmarks/efficacy.py's other floor: the guard's answer to the dynamics overflow (the decoder layers in fp32,
+    the rate x overflow_lr_backoff) in force from the start, unguarded, on the guarded run's frames."""
+    from petr_stability.core.config import GuardConfig
+    from petr_stability.core.remedies.fp32 import fp32_modules
+    from petr_stability.demo import run as demo
+
+    s = settings_for("dynamics", quick=True)
+    train, _ = demo._make_data(s)
+    built = {key: demo._build_runner(key, str(tmp_path / key), s, train, []) for key in ("guarded", "remedied")}
+    layers = [f"net.pts_bbox_head.layers.{i}" for i in range(s.num_layers)]
+    assert fp32_modules(built["remedied"].model) == layers and fp32_modules(built["guarded"].model) == []
+    rate = built["remedied"].optim_wrapper["optimizer"]["lr"]
+    assert rate == s.lr * GuardConfig().overflow_lr_backoff < built["guarded"].optim_wrapper["optimizer"]["lr"]
+    assert built["remedied"]._train_dataloader["dataset"][0]["inputs"].equal(train[0]["inputs"])
+    assert not any(type(h).__name__ == "NanGuardHook" for h in built["remedied"].hooks)
+
+
 def test_bad_scenario_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--scenario", "nope"])
