@@ -23,7 +23,10 @@ own min-max over the same seeds, for seeds 0-9 and 10-19 apart and together; the
 
 Beside each cell, the same two quality criteria applied to the reshuffled reference: how far the reference lands from
 itself when nothing but the order of its batches changes. A rollback replays its iterations on the batches the loader
-moved on to, so where the reshuffled reference misses a criterion, no recovery can be held to it on that model.
+moved on to, so where the reshuffled reference misses a criterion, no recovery can be held to it on that model. Where
+a data scenario is run, one ``without`` run per model and seed too (the reference without the sample the fault is
+planted in): a guarded run quarantines the sample at its first serving at best, and trains on the rest; its data
+cells are held to that floor as well.
 
 The raw rows (one per run, every field of ``ZooResult``) and the summary go to ``--out`` as JSON.
 """
@@ -42,6 +45,8 @@ __all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria", "qu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
+#: The scenarios that plant a fault in one training sample: their cells are also held to the reference without it.
+DATA_SCENARIOS = ("corrupt_sample", "bright_sample")
 
 
 def parse_seeds(text: str) -> List[int]:
@@ -78,6 +83,7 @@ def one_kernel_set(models: List[str], scenarios: List[str], seeds: List[int],
     for model in models:
         for seed in seeds:
             plan: List[Tuple[str, str]] = [("none", "reference"), ("none", "reshuffled")]
+            plan += [("none", "without")] if set(scenarios) & set(DATA_SCENARIOS) else []
             for scenario in scenarios:
                 plan += [(scenario, "unguarded")] if scenario != "none" else []
                 plan += [(scenario, "guarded")]
@@ -155,16 +161,19 @@ def _cell(rows: List[Dict[str, Any]], model: str, scenario: str) -> Dict[str, An
         "iters_lost": sum(r["iters_lost"] for r in guarded),
         "wall_s": round(sum(r["wall_s"] for r in guarded + unguarded), 1),
     }
-    reshuffled = [r for r in rows if r["model"] == model and r["variant"] == "reshuffled"]
+    floors = {"reshuffled": [r for r in rows if r["model"] == model and r["variant"] == "reshuffled"]}
+    if scenario in DATA_SCENARIOS:
+        floors["without"] = [r for r in rows if r["model"] == model and r["variant"] == "without"]
     seeds = sorted({r["seed"] for r in guarded})
     for name, group in GROUPS + (("all", seeds),):
         g = [r for r in guarded if r["seed"] in group]
         ref = [r for r in reference if r["seed"] in group]
         if g and (name == "all" or len(g) < len(guarded)):
             out[f"seeds_{name}"] = compare(g, ref)
-            shuffled = [r for r in reshuffled if r["seed"] in group]
-            if shuffled:  # the same criteria on the reference in another order: what they allow by design
-                out[f"reshuffled_{name}"] = compare(shuffled, ref)
+            for variant, floor in floors.items():  # the same criteria on a floor: what they allow by design
+                these = [r for r in floor if r["seed"] in group]
+                if these:
+                    out[f"{variant}_{name}"] = compare(these, ref)
     return out
 
 
@@ -247,6 +256,12 @@ def report(summary: Dict[str, Any]) -> Tuple[List[str], int]:
             lines.append(f"  the reference in another order: median ratio {_fmt(floor['ratio'])}, inside the spread "
                          f"{floor['inside_spread']}/{floor['seeds']} (below it: {floor['below_spread']})"
                          + (f": fails {'; '.join(misses)}" if misses else ": meets the quality criteria"))
+        floor = cell.get("without_all")
+        if floor:
+            misses = quality(floor, "without")
+            lines.append(f"  the reference without the planted sample: median ratio {_fmt(floor['ratio'])}, inside "
+                         f"the spread {floor['inside_spread']}/{floor['seeds']} (below it: {floor['below_spread']})"
+                         + (f": fails {'; '.join(misses)}" if misses else ": meets the quality criteria"))
         for stop in cell["false_stops"][:3]:
             lines.append(f"  stop seed {stop['seed']}: {stop['error']}: {stop['message'][:160]}")
         for wrong in cell["wrong_class"][:3]:
@@ -258,7 +273,8 @@ def markdown(summary: Dict[str, Any]) -> List[str]:
     """The summary as docs/zoo.md's table: one row per kernel set, model and scenario."""
     lines = ["| model | scenario | unguarded lost | guarded lost | false stops | classes (records) | quarantined "
              "right/wrong | guarded / reference medians, seeds 0-9 | 10-19 | 0-19 | inside the reference's spread (of "
-             "them outside on the better side) | the reference in another order, 0-19: median ratio, inside | "
+             "them outside on the better side) | the reference in another order (data faults: and without the planted "
+             "sample), 0-19: median ratio, inside | "
              "criteria |", "|" + "---|" * 13]
     for key, cell in summary.items():
         _, model, scenario = key.split("/")
@@ -266,8 +282,11 @@ def markdown(summary: Dict[str, Any]) -> List[str]:
         ratios = [_fmt((cell.get(f"seeds_{n}") or {}).get("ratio")) for n in ("0-9", "10-19", "all")]
         total, floor = cell["seeds_all"], cell.get("reshuffled_all")
         classes = ", ".join(f"{c} {n}" for c, n in sorted(cell["classes"].items())) or "-"
-        shown = (f"{_fmt(floor['ratio'])}, {floor['inside_spread']}/{floor['seeds']}"
-                 + (" (misses it too)" if floor and quality(floor, "reshuffled") else "")) if floor else "-"
+        shown = "; ".join(
+            f"{label}{_fmt(f['ratio'])}, {f['inside_spread']}/{f['seeds']}"
+            + (" (misses it too)" if quality(f, variant) else "")
+            for variant, label, f in (("reshuffled", "", floor),
+                                      ("without", "without the sample: ", cell.get("without_all"))) if f) or "-"
         unguarded = "-" if scenario == "none" else f"{cell['unguarded_lost']}/{cell['unguarded_runs']}"
         lines.append(
             f"| {model} | {scenario} | {unguarded} | {cell['guarded_lost']}/{cell['guarded_runs']} "

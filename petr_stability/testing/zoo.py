@@ -95,7 +95,10 @@ SCENARIOS = ("none", "too_high_lr", "corrupt_sample", "bright_sample", "nan_weig
 #: ``reshuffled`` is the reference trained on another order of the same data (:func:`_order`): how far a run that
 #: differs from the reference in nothing but the order its batches come in lands from it. A rollback replays
 #: iterations on batches the loader moved on to, so no recovery is closer to the reference than this by design.
-VARIANTS = ("reference", "unguarded", "guarded", "reshuffled")
+#: ``without`` is the reference without the training sample a data scenario plants its fault in
+#: (:func:`planted_index`): what a run that quarantined the sample before its first serving trains on. A guarded run
+#: quarantines it at its first serving at best, so no recovery of a data fault is closer to the reference than this.
+VARIANTS = ("reference", "unguarded", "guarded", "reshuffled", "without")
 #: A reshuffled run's loader draws its order from this plus the seed.
 RESHUFFLE_SEED = 10_000
 
@@ -855,8 +858,9 @@ def run(model: str, scenario: str, variant: str, seed: int, work_dir: Optional[s
         model: a zoo model (:data:`MODELS`).
         scenario: the fault planted (:data:`SCENARIOS`); a ``reference`` run plants nothing.
         variant: ``'reference'`` (stable learning rate, nothing planted, no guard), ``'unguarded'`` (the scenario
-            planted, no guard), ``'guarded'`` (the scenario planted, the guard on) or ``'reshuffled'`` (the reference
-            with its batches in another order: :data:`VARIANTS`).
+            planted, no guard), ``'guarded'`` (the scenario planted, the guard on), ``'reshuffled'`` (the reference
+            with its batches in another order) or ``'without'`` (the reference without the sample a data fault is
+            planted in: :data:`VARIANTS`).
         seed: weights, data, dropout, shuffle and the planted sample.
         work_dir: where the guard writes its records. Defaults to None (a temporary dir, removed after).
         guard_kwargs: guard settings over :func:`guard_settings` of the run's length. Defaults to None.
@@ -868,7 +872,7 @@ def run(model: str, scenario: str, variant: str, seed: int, work_dir: Optional[s
     if scenario not in SCENARIOS or variant not in VARIANTS:
         raise ValueError(f"scenario must be one of {list(SCENARIOS)} and variant one of {list(VARIANTS)}, got "
                          f"{scenario!r}, {variant!r}")
-    if variant in ("reference", "reshuffled"):
+    if variant in ("reference", "reshuffled", "without"):
         scenario = "none"
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="zoo_") as tmp:
@@ -879,6 +883,9 @@ def run(model: str, scenario: str, variant: str, seed: int, work_dir: Optional[s
     planted = planted_index(model, seed) if scenario in ("corrupt_sample", "bright_sample") else None
     train, heldout = s.datasets(seed)
     train = plant_data(train, scenario, planted, s.input_key) if planted is not None else train
+    if variant == "without":
+        dropped = planted_index(model, seed)
+        train = train[:dropped] + train[dropped + 1:]
     guard = dict(guard_settings(s.iters), **(guard_kwargs or {})) if variant == "guarded" else None
     lines: List[str] = []
     live = _build(s, _order(train, s) if variant == "reshuffled" else train, seed, lr, work_dir, guard,

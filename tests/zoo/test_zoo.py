@@ -139,6 +139,20 @@ def test_the_reshuffled_reference_is_the_same_data_in_another_order(model):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("model", ["detr", "temporal"])
+def test_the_reference_without_the_planted_sample_trains_on_every_other_sample(model):
+    # benchmarks/zoo.py holds the data cells against it too: a guarded run quarantines the planted sample at its first
+    # serving at best and trains on the rest; this reference never has it.
+    reference, without = _run(model, "none", "reference"), _run(model, "none", "without")
+    dropped = zoo.planted_index(model, SEED)
+    assert without.finished and not without.lost and without.lr == reference.lr and not without.incidents
+    assert len(without.served) == len(reference.served) - 1 and min(without.served) >= 1
+    assert without.eval_loss != reference.eval_loss
+    bright = _run(model, "bright_sample", "guarded")
+    assert bright.planted == dropped and bright.quarantined == [dropped]  # the very sample the floor leaves out
+
+
+@pytest.mark.numerics
 def test_an_overflow_the_loss_explosion_led_to_is_answered_as_dynamics():
     # cnn_bn at 8x its rate: the loss explodes for several steps (the stability band's trouble), then the second
     # conv's fp16 forward overflows on weights the rate grew. Before, the class's own answer (the conv in fp32, the
