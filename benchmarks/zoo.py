@@ -47,6 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
 #: The scenarios that plant a fault in one training sample: their cells are also held to the reference without it.
 DATA_SCENARIOS = ("corrupt_sample", "bright_sample")
+#: The floors a cell is also held to (variant -> how the report names it).
+FLOORS = {"reshuffled": "the reference in another order", "without": "the reference without the planted sample"}
 
 
 def parse_seeds(text: str) -> List[int]:
@@ -250,18 +252,13 @@ def report(summary: Dict[str, Any]) -> Tuple[List[str], int]:
                              f"{_fmt(c['reference_median'])} = {_fmt(c['ratio'])}; inside the reference's spread "
                              f"[{_fmt(c['reference_min'])}, {_fmt(c['reference_max'])}]: {c['inside_spread']}/"
                              f"{c['seeds']} (below it: {c.get('below_spread', 0)})")
-        floor = cell.get("reshuffled_all")
-        if floor:
-            misses = quality(floor, "reshuffled")
-            lines.append(f"  the reference in another order: median ratio {_fmt(floor['ratio'])}, inside the spread "
-                         f"{floor['inside_spread']}/{floor['seeds']} (below it: {floor['below_spread']})"
-                         + (f": fails {'; '.join(misses)}" if misses else ": meets the quality criteria"))
-        floor = cell.get("without_all")
-        if floor:
-            misses = quality(floor, "without")
-            lines.append(f"  the reference without the planted sample: median ratio {_fmt(floor['ratio'])}, inside "
-                         f"the spread {floor['inside_spread']}/{floor['seeds']} (below it: {floor['below_spread']})"
-                         + (f": fails {'; '.join(misses)}" if misses else ": meets the quality criteria"))
+        for variant, what in FLOORS.items():
+            floor = cell.get(f"{variant}_all")
+            if floor:
+                misses = quality(floor, variant)
+                lines.append(f"  {what}: median ratio {_fmt(floor['ratio'])}, inside the spread "
+                             f"{floor['inside_spread']}/{floor['seeds']} (below it: {floor['below_spread']})"
+                             + (f": fails {'; '.join(misses)}" if misses else ": meets the quality criteria"))
         for stop in cell["false_stops"][:3]:
             lines.append(f"  stop seed {stop['seed']}: {stop['error']}: {stop['message'][:160]}")
         for wrong in cell["wrong_class"][:3]:
