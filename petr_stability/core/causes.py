@@ -58,11 +58,11 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              "same inputs is finite; the known-good batch overflows too, or no row breaks alone, or a batch with no "
              "sample in common overflowed it before",
              "run that module in fp32 from now on; where the same batch stays finite in fp16 on the healthy "
-             "weights (the weights grew into the overflow), learning rate x {overflow_lr_backoff} (schedules too) as "
-             "well (lr_on_overflow), or, where the run left its stability band since its newest healthy state (the "
-             "loss or grad_norm exploding before the overflow: the rate drove the weights there), x {lr_backoff}, "
-             "and back to the newest confirmed state, as for dynamics (not where the skip streak began: the grown "
-             "state); roll back (already in fp32: structural)",
+             "weights (the weights grew into the overflow), back to the newest confirmed state as for dynamics (not "
+             "where the skip streak began: the grown state) and learning rate x {overflow_lr_backoff} (schedules "
+             "too; lr_on_overflow), or x {lr_backoff} where the run left its stability band since its newest "
+             "healthy state (the loss or grad_norm exploding before the overflow: the rate drove the weights "
+             "there); roll back (already in fp32: structural)",
              True, "the module named runs in fp32; the patched config carries the switch"),
     CauseRow(Cause.DATA, "data",
              "the batch arrives non-finite at the model's input, or breaks the healthy weights too while a batch "
