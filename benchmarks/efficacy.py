@@ -53,7 +53,7 @@ def one_kernel_set(scenarios: List[str], seeds: List[int], runs: Sequence[str] =
             for seed in seeds:
                 base = demo.settings_for(scenario)
                 chosen = tuple(r for r in runs if r in demo.RUNS
-                               and (r not in ("reference", "reshuffled", "remedied") or scenario == "dynamics"))
+                               and (r not in ("reference", *FLOORS) or scenario == "dynamics"))
                 s = dataclasses.replace(base, seed=seed, runs=chosen, guard=dict(base.guard, **(guard_kwargs or {})))
                 train, heldout = demo._make_data(s)
                 for key in s.runs:

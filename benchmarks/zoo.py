@@ -45,10 +45,10 @@ __all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria", "qu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
-#: The scenarios that plant a fault in one training sample: their cells are also held to the reference without it.
-DATA_SCENARIOS = ("corrupt_sample", "bright_sample")
-#: The floors a cell is also held to (variant -> how the report names it).
-FLOORS = {"reshuffled": "the reference in another order", "without": "the reference without the planted sample"}
+#: The floors a cell is also held to: variant -> (how the report names it, its label in the markdown table). The
+#: ``without`` floor only where a data scenario (``zoo.DATA_SCENARIOS``) is run, and only for those cells.
+FLOORS = {"reshuffled": ("the reference in another order", ""),
+          "without": ("the reference without the planted sample", "without the sample: ")}
 
 
 def parse_seeds(text: str) -> List[int]:
@@ -85,7 +85,7 @@ def one_kernel_set(models: List[str], scenarios: List[str], seeds: List[int],
     for model in models:
         for seed in seeds:
             plan: List[Tuple[str, str]] = [("none", "reference"), ("none", "reshuffled")]
-            plan += [("none", "without")] if set(scenarios) & set(DATA_SCENARIOS) else []
+            plan += [("none", "without")] if set(scenarios) & set(zoo.DATA_SCENARIOS) else []
             for scenario in scenarios:
                 plan += [(scenario, "unguarded")] if scenario != "none" else []
                 plan += [(scenario, "guarded")]
@@ -163,9 +163,10 @@ def _cell(rows: List[Dict[str, Any]], model: str, scenario: str) -> Dict[str, An
         "iters_lost": sum(r["iters_lost"] for r in guarded),
         "wall_s": round(sum(r["wall_s"] for r in guarded + unguarded), 1),
     }
-    floors = {"reshuffled": [r for r in rows if r["model"] == model and r["variant"] == "reshuffled"]}
-    if scenario in DATA_SCENARIOS:
-        floors["without"] = [r for r in rows if r["model"] == model and r["variant"] == "without"]
+    from petr_stability.testing.zoo import DATA_SCENARIOS
+
+    floors = {variant: [r for r in rows if r["model"] == model and r["variant"] == variant] for variant in FLOORS
+              if variant != "without" or scenario in DATA_SCENARIOS}
     seeds = sorted({r["seed"] for r in guarded})
     for name, group in GROUPS + (("all", seeds),):
         g = [r for r in guarded if r["seed"] in group]
@@ -252,7 +253,7 @@ def report(summary: Dict[str, Any]) -> Tuple[List[str], int]:
                              f"{_fmt(c['reference_median'])} = {_fmt(c['ratio'])}; inside the reference's spread "
                              f"[{_fmt(c['reference_min'])}, {_fmt(c['reference_max'])}]: {c['inside_spread']}/"
                              f"{c['seeds']} (below it: {c.get('below_spread', 0)})")
-        for variant, what in FLOORS.items():
+        for variant, (what, _) in FLOORS.items():
             floor = cell.get(f"{variant}_all")
             if floor:
                 misses = quality(floor, variant)
@@ -277,13 +278,13 @@ def markdown(summary: Dict[str, Any]) -> List[str]:
         _, model, scenario = key.split("/")
         fails = criteria(key, cell)
         ratios = [_fmt((cell.get(f"seeds_{n}") or {}).get("ratio")) for n in ("0-9", "10-19", "all")]
-        total, floor = cell["seeds_all"], cell.get("reshuffled_all")
+        total = cell["seeds_all"]
         classes = ", ".join(f"{c} {n}" for c, n in sorted(cell["classes"].items())) or "-"
-        shown = "; ".join(
-            f"{label}{_fmt(f['ratio'])}, {f['inside_spread']}/{f['seeds']}"
-            + (" (misses it too)" if quality(f, variant) else "")
-            for variant, label, f in (("reshuffled", "", floor),
-                                      ("without", "without the sample: ", cell.get("without_all"))) if f) or "-"
+        floors = {variant: (label, cell[f"{variant}_all"]) for variant, (_, label) in FLOORS.items()
+                  if f"{variant}_all" in cell}
+        shown = "; ".join(f"{label}{_fmt(f['ratio'])}, {f['inside_spread']}/{f['seeds']}"
+                          + (" (misses it too)" if quality(f, variant) else "")
+                          for variant, (label, f) in floors.items()) or "-"
         unguarded = "-" if scenario == "none" else f"{cell['unguarded_lost']}/{cell['unguarded_runs']}"
         lines.append(
             f"| {model} | {scenario} | {unguarded} | {cell['guarded_lost']}/{cell['guarded_runs']} "

@@ -67,6 +67,7 @@ from .fetches import guard_replay
 __all__ = [
     "MODELS",
     "SCENARIOS",
+    "DATA_SCENARIOS",
     "VARIANTS",
     "BRIGHT_FACTOR",
     "FP16_MAX",
@@ -92,6 +93,8 @@ Samples = List[Batch]
 
 MODELS = ("causal_ts", "detr", "cnn_bn", "temporal", "rnn")
 SCENARIOS = ("none", "too_high_lr", "corrupt_sample", "bright_sample", "nan_weights")
+#: The scenarios that plant their fault in one training sample (:func:`planted_index`).
+DATA_SCENARIOS = ("corrupt_sample", "bright_sample")
 #: ``reshuffled`` is the reference trained on another order of the same data (:func:`_order`): how far a run that
 #: differs from the reference in nothing but the order its batches come in lands from it. A rollback replays
 #: iterations on batches the loader moved on to, so no recovery is closer to the reference than this by design.
@@ -506,7 +509,7 @@ def plant_data(samples: Samples, scenario: str, index: int, key: str) -> Samples
     """A copy of ``samples`` with the scenario's data fault in sample ``index``'s ``key`` tensor: NaN in the first
     half of its values (``corrupt_sample``: a corrupt record), or all of them times :data:`BRIGHT_FACTOR`
     (``bright_sample``). Other scenarios: the samples as they are."""
-    if scenario not in ("corrupt_sample", "bright_sample"):
+    if scenario not in DATA_SCENARIOS:
         return list(samples)
     out = list(samples)
     x = out[index][key].clone()
@@ -880,7 +883,7 @@ def run(model: str, scenario: str, variant: str, seed: int, work_dir: Optional[s
     t0 = time.perf_counter()
     s = spec(model)
     lr = lr if lr is not None else s.high_lr if scenario == "too_high_lr" else s.stable_lr
-    planted = planted_index(model, seed) if scenario in ("corrupt_sample", "bright_sample") else None
+    planted = planted_index(model, seed) if scenario in DATA_SCENARIOS else None
     train, heldout = s.datasets(seed)
     train = plant_data(train, scenario, planted, s.input_key) if planted is not None else train
     if variant == "without":

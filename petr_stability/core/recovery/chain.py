@@ -578,7 +578,12 @@ def _state_was_fine(c: Classification) -> bool:
     (``weights_grew``) says the opposite: the state where its skip streak began is the grown one, on the growth's path,
     and the run goes back to its newest confirmed state, as for dynamics (issue 43: the demo's too-high rate, seeds
     0-9, 5 -> 9 of 10 guarded runs inside the reference's spread)."""
-    return c.cause == Cause.DATA or (c.cause == Cause.FORWARD_OVERFLOW and not c.signals.get("weights_grew"))
+    return c.cause == Cause.DATA or (c.cause == Cause.FORWARD_OVERFLOW and not _grew(c))
+
+
+def _grew(c: Classification) -> bool:
+    """A forward overflow whose batch stays finite in fp16 on the healthy weights: the weights grew into it."""
+    return c.cause == Cause.FORWARD_OVERFLOW and bool(c.signals.get("weights_grew"))
 
 
 def _grew_unstable(c: Classification, inc: Incident) -> Classification:
@@ -588,7 +593,7 @@ def _grew_unstable(c: Classification, inc: Incident) -> Classification:
     its path. It is answered as dynamics is: the rate x ``lr_backoff`` (the module in fp32 as well), back to the newest
     confirmed state from before the trouble (as every overflow the weights grew into: :func:`_state_was_fine`)."""
     since = inc.signals.unstable_since
-    if c.cause != Cause.FORWARD_OVERFLOW or not c.signals.get("weights_grew") or since is None:
+    if not _grew(c) or since is None:
         return c
     return c.but(evidence=c.evidence + f"; the run left its stability band at iter {since}, after its newest healthy "
                                        "state (its loss or grad_norm exploding before the overflow): the learning "
