@@ -32,7 +32,9 @@ The raw rows (one per run, every field of ``ZooResult``) and the summary go to `
 """
 import argparse
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -41,7 +43,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria", "quality", "compare", "markdown",
-           "GROUPS"]
+           "GROUPS", "spread_chance", "as_few_inside", "chance_to_pass", "chances"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
@@ -120,7 +122,8 @@ def compare(guarded: List[Dict[str, Any]], reference: List[Dict[str, Any]]) -> D
         if ref else 0
     return {"seeds": len(guarded), "guarded_median": g_med, "reference_median": r_med,
             "ratio": g_med / r_med if g_med is not None and r_med else None,
-            "reference_min": lo, "reference_max": hi, "inside_spread": inside, "below_spread": below}
+            "reference_min": lo, "reference_max": hi, "inside_spread": inside, "below_spread": below,
+            "reference_runs": len(ref)}
 
 
 def _result(row: Dict[str, Any]) -> Any:
@@ -229,6 +232,105 @@ def quality(total: Dict[str, Any], who: str = "guarded") -> List[str]:
     return fails
 
 
+def spread_chance(reference_runs: int, runs: int, need: int) -> float:
+    """The chance that at least ``need`` of ``runs`` runs as good as the reference's own (more draws from the same
+    continuous distribution as its ``reference_runs``) lie inside the reference's min-max. It holds whatever that
+    distribution is: the ranks of all the runs together are a uniformly random arrangement, and k of the runs lie
+    outside in (k + 1) C(n - 2 + m - k, n - 2) of the C(n + m, n) arrangements (a of them below every reference run,
+    k - a above it, the reference's n and the other m - k runs in between). 20 runs against 20, 18 needed: 0.698."""
+    n, m = reference_runs, runs
+    if n < 2:
+        raise ValueError(f"a spread needs at least 2 reference runs, got reference_runs={n}")
+    return sum((k + 1) * math.comb(n - 2 + m - k, n - 2) for k in range(0, m - need + 1)) / math.comb(n + m, n)
+
+
+def as_few_inside(comparison: Dict[str, Any]) -> Optional[float]:
+    """The chance that runs as good as the reference's own leave as few of theirs inside its spread as ``comparison``
+    (a :func:`compare`) found, or fewer: how surprising its count is for a perfect recovery."""
+    if comparison.get("reference_runs", 0) < 2:
+        return None
+    return 1.0 - spread_chance(comparison["reference_runs"], comparison["seeds"], comparison["inside_spread"] + 1)
+
+
+def _as_few(comparison: Dict[str, Any]) -> str:
+    chance = as_few_inside(comparison)
+    return "" if chance is None else f"; as few or fewer for runs as good as the reference's: chance {chance:.2f}"
+
+
+def chance_to_pass(reference: List[float], other: List[float], draws: int = 4000, seed: int = 0) -> Dict[str, float]:
+    """The chance that a recovery as good as the reference's own passes :func:`quality`'s criteria on one model, each
+    and both: the reference's held-out losses and another set of runs of the same configuration (the reshuffled
+    reference: its batches in another order) pooled and split at random ``draws`` times into a reference and a
+    'recovered' set of their sizes. ``spread_exact`` is :func:`spread_chance` for those sizes (the split's ``spread``
+    estimates it). The two sets share their seeds' initial weights, so the splits take them as a little closer than
+    independent runs would be."""
+    if len(reference) < 2 or not other:
+        raise ValueError(f"needs at least 2 reference runs and 1 other, got {len(reference)} and {len(other)}")
+    pooled, n, rng = list(reference) + list(other), len(reference), random.Random(seed)
+    passed = {"median": 0, "spread": 0, "both": 0}
+    for _ in range(draws):
+        rng.shuffle(pooled)
+        fails = quality(compare([{"eval_loss": x, "lost": False} for x in pooled[n:]],
+                                [{"eval_loss": x} for x in pooled[:n]]))
+        median_ok = not any("median" in f for f in fails)
+        spread_ok = not any("spread" in f for f in fails)
+        passed["median"] += median_ok
+        passed["spread"] += spread_ok
+        passed["both"] += median_ok and spread_ok
+    need = -(-9 * len(other) // 10)
+    return dict({k: v / draws for k, v in passed.items()}, spread_exact=spread_chance(n, len(other), need),
+                draws=draws)
+
+
+def chances(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> Dict[str, Any]:
+    """Per kernel set and model with reshuffled runs: :func:`chance_to_pass`, and against it how many of the model's
+    fault cells (every scenario but ``none``, whose guarded runs are the reference's) a recovery that good would pass
+    on average (the sum of their chances) and how many the guard passes."""
+    out: Dict[str, Any] = {}
+    for key in sorted({"/".join(k.split("/")[:2]) for k in summary}):
+        kernels, model = key.split("/")
+        mine = [r for r in rows if r["kernels"] == kernels and r["model"] == model]
+        reference = [r["eval_loss"] for r in mine if r["variant"] == "reference" and r["eval_loss"] is not None]
+        other = [r["eval_loss"] for r in mine if r["variant"] == "reshuffled" and r["eval_loss"] is not None
+                 and not r["lost"]]
+        if len(reference) < 2 or not other:
+            continue
+        cells = {k: c for k, c in summary.items() if k.startswith(key + "/") and not k.endswith("/none")}
+        chance = chance_to_pass(reference, other)
+        out[key] = dict(chance, fault_cells=len(cells), expected_passing=chance["both"] * len(cells),
+                        guard_passing=sum(not criteria(k, c) for k, c in cells.items()))
+    return out
+
+
+def chance_lines(found: Dict[str, Any]) -> List[str]:
+    """:func:`chances` as the report prints it."""
+    lines = ["A recovery as good as the reference's own (its runs and the reshuffled ones pooled, split at random): "
+             "the chance it passes each quality criterion"]
+    for key, c in found.items():
+        lines.append(f"  {key}: median within 5% {c['median']:.2f}, 90% inside the spread {c['spread']:.2f} "
+                     f"(exactly {c['spread_exact']:.3f} for any distribution), both {c['both']:.2f}: "
+                     f"{c['expected_passing']:.1f} of its {c['fault_cells']} fault cells on average; the guard "
+                     f"passes {c['guard_passing']}")
+    if found:
+        expected = sum(c["expected_passing"] for c in found.values())
+        every = math.prod(c["both"] ** c["fault_cells"] for c in found.values())
+        lines.append(f"  in all: {expected:.1f} of {sum(c['fault_cells'] for c in found.values())} fault cells on "
+                     f"average, every one of them with chance {every:.1e}; the guard passes "
+                     f"{sum(c['guard_passing'] for c in found.values())}")
+    return lines
+
+
+def chance_markdown(found: Dict[str, Any]) -> List[str]:
+    """:func:`chances` as docs/zoo.md's table."""
+    lines = ["| kernels | model | median within 5% | 90% inside the spread (exactly, any distribution) | both | fault "
+             "cells it would pass (on average) | fault cells the guard passes |", "|" + "---|" * 7]
+    for key, c in found.items():
+        kernels, model = key.split("/")
+        lines.append(f"| {kernels} | `{model}` | {c['median']:.2f} | {c['spread']:.2f} ({c['spread_exact']:.3f}) | "
+                     f"{c['both']:.2f} | {c['expected_passing']:.1f} of {c['fault_cells']} | {c['guard_passing']} |")
+    return lines
+
+
 def _fmt(x: Optional[float], digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -252,7 +354,7 @@ def report(summary: Dict[str, Any]) -> Tuple[List[str], int]:
                 lines.append(f"  seeds {name:<5}: guarded median {_fmt(c['guarded_median'])} / reference median "
                              f"{_fmt(c['reference_median'])} = {_fmt(c['ratio'])}; inside the reference's spread "
                              f"[{_fmt(c['reference_min'])}, {_fmt(c['reference_max'])}]: {c['inside_spread']}/"
-                             f"{c['seeds']} (below it: {c.get('below_spread', 0)})")
+                             f"{c['seeds']} (below it: {c.get('below_spread', 0)})" + _as_few(c))
         for variant, (what, _) in FLOORS.items():
             floor = cell.get(f"{variant}_all")
             if floor:
@@ -352,14 +454,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\n".join(lines))
     print(f"{len(summary) - failed} PASS, {failed} FAIL of {len(summary)}; {len(rows)} runs, "
           f"wall {time.perf_counter() - t0:.0f}s")
+    found = chances(rows, summary)
+    print("\n".join(chance_lines(found)))
     if a.markdown:
         print("\n".join(markdown(summary)))
+        print("\n".join(chance_markdown(found)))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w", encoding="utf-8") as f:
             f.write(dumps({"argv": argv if argv is not None else sys.argv[1:], "seeds": seeds, "models": models,
                            "scenarios": scenarios, "kernels": kernel_sets, "guard_kwargs": a.guard_kwargs,
-                           "summary": summary, "criteria": {k: criteria(k, c) for k, c in summary.items()}}, rows))
+                           "summary": summary, "criteria": {k: criteria(k, c) for k, c in summary.items()},
+                           "chances": found}, rows))
     return 0
 
 
