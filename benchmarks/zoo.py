@@ -5,6 +5,7 @@ set, and the criteria it is held to.
         [--scenarios none,too_high_lr,...] [--kernels native,default] [--guard-kwargs JSON]
         [--out docs/results/zoo_<name>_cpu.json]
     .venv/bin/python benchmarks/zoo.py --rows A.json B.json --out merged.json   # summarize runs already made
+        (a run in B replaces the same run in A: re-run cells on newer code, list the newer file last)
 
 Each kernel set runs in a process of its own (``native``: this CPU's best kernels; ``default``: torch's portable ones,
 ``ATEN_CPU_CAPABILITY=default``; torch picks them as it starts). Per model and seed one ``reference`` run (the
@@ -43,7 +44,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria", "quality", "compare", "markdown",
-           "GROUPS", "spread_chance", "as_few_inside", "chance_to_pass", "chances"]
+           "GROUPS", "merged", "spread_chance", "as_few_inside", "chance_to_pass", "chances"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
@@ -409,6 +410,22 @@ def _child(a: argparse.Namespace, kernels: str) -> List[Dict[str, Any]]:
     return [dict(r, kernels=kernels) for r in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
+#: What names one run: a later ``--rows`` file's run replaces an earlier one's with the same.
+RUN_KEY = ("kernels", "model", "scenario", "variant", "seed")
+
+
+def merged(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    """The raw rows of earlier ``--out`` files, one per run: where two files hold the same run (:data:`RUN_KEY`: a
+    cell re-run on newer code, or a reference every file made), the later file's is kept, so a summary never counts a
+    run twice."""
+    by_key: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for row in json.load(f)["rows"]:
+                by_key[tuple(row.get(k) for k in RUN_KEY)] = row
+    return list(by_key.values())
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from petr_stability.testing.zoo import MODELS, SCENARIOS
 
@@ -439,10 +456,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     t0 = time.perf_counter()
     if a.rows:
-        rows = []
-        for path in a.rows:
-            with open(path, encoding="utf-8") as f:
-                rows += json.load(f)["rows"]
+        rows = merged(a.rows)
         seeds = sorted({r["seed"] for r in rows})
         models = [m for m in models if any(r["model"] == m for r in rows)]
         scenarios = [s for s in scenarios if any(r["scenario"] == s for r in rows)]

@@ -90,3 +90,18 @@ def test_how_surprising_a_count_inside_the_spread_is_for_a_perfect_recovery(benc
     assert bench.as_few_inside(dict(cmp, inside_spread=15)) == pytest.approx(0.0909, abs=5e-4)
     assert bench.as_few_inside(dict(cmp, inside_spread=17)) == pytest.approx(1 - bench.spread_chance(20, 20, 18))
     assert bench.as_few_inside(dict(cmp, reference_runs=1, inside_spread=1)) is None
+
+
+def test_rows_merged_from_several_files_count_each_run_once_the_later_file_winning(bench, tmp_path):
+    import json
+
+    def row(variant, seed, loss):
+        return {"kernels": "native", "model": "m", "scenario": "x", "variant": variant, "seed": seed,
+                "eval_loss": loss}
+
+    older, newer = tmp_path / "older.json", tmp_path / "newer.json"
+    older.write_text(json.dumps({"rows": [row("reference", 0, 1.0), row("guarded", 0, 3.0), row("guarded", 1, 2.0)]}))
+    newer.write_text(json.dumps({"rows": [row("reference", 0, 1.0), row("guarded", 0, 1.5)]}))
+    rows = bench.merged([str(older), str(newer)])
+    assert sorted((r["variant"], r["seed"], r["eval_loss"]) for r in rows) == [
+        ("guarded", 0, 1.5), ("guarded", 1, 2.0), ("reference", 0, 1.0)]
