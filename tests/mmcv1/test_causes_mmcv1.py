@@ -130,6 +130,11 @@ def test_a_too_high_rate_growing_the_logits_into_fp16_overflow_gets_fp32_and_a_l
     grew = [rec for rec in records if rec["cause"]["signals"]["weights_grew"]]
     assert len(grew) == 1 and grew[0]["iteration"] > records[0]["iteration"], seen
     assert "the same batch stays finite in fp16: the weights grew into the overflow" in grew[0]["cause"]["evidence"]
+    # The state where the FFN's skip streak began is the grown one: the run goes back to a confirmed snapshot, one of
+    # the snapshot clock's (every snapshot_interval-th iteration), not to where the scaler first skipped.
+    back = grew[0]["restored_from"]
+    assert back["source"] == "memory" and back["iteration"] % GUARD["snapshot_interval"] == 0, back
+    assert 0 < back["iteration"] < grew[0]["iteration"] - GUARD["confirm_steps"], back
     lr_targets = ["optimizer0.group0.lr", "optimizer0.group0.initial_lr", "FixedLrUpdaterHook.base_lr",
                   "FixedLrUpdaterHook.regular_lr"]
     for rec in records:
