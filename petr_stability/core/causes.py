@@ -82,8 +82,8 @@ CAUSE_TABLE: Tuple[CauseRow, ...] = (
              "the failing batch trains fine on the healthy weights",
              "the next rung of the ladder ({ladder}); roll back; past the last rung: structural. The run's first "
              "divergence whose live parameters went non-finite between two steps (the failing step dropped by the "
-             "loss scaler or the guard's skip, nothing unstable before it: the training did not put the NaN there): "
-             "roll back alone, no setting changed, the ladder from the next divergence on",
+             "loss scaler or the guard's skip: the training did not put the NaN there, whatever the loss did "
+             "before): roll back alone, no setting changed, the ladder from the next divergence on",
              True, "the learning rate and its warm-up (every rung of the ladder was tried, the rate backed off down "
                    "to lr_min_factor, and divergences kept coming: lower the peak rate or lengthen the warm-up), the "
                    "scale of the loss terms, the gradient clip; the incident log names each rung tried"),

@@ -710,7 +710,7 @@ def right_class(result: ZooResult) -> Tuple[bool, str]:
         return (not wrong and not result.quarantined,
                 f"classes {sorted(causes)}, quarantined {result.quarantined}")
     if s == "nan_weights":
-        # NaN written between two steps, nothing unstable before it: the first divergence is rolled back alone.
+        # NaN written between two steps (no optimizer step put it there): the first divergence is rolled back alone.
         first = next((r for r in result.incidents if r.get("cause")), {})
         ok = causes <= {"dynamics", "unknown"} and not first.get("targets") and not result.fp32_modules
         return ok, f"classes {sorted(causes)}, the first divergence changed {first.get('targets')}"

@@ -123,6 +123,25 @@ def test_a_nan_written_between_steps_is_rolled_back_alone_and_its_recurrence_cli
     assert run.clip_kwargs()["max_norm"] == 1.0 and set(run.dropouts()) == {0.0}
 
 
+@pytest.mark.parametrize("family", [n for n in NAMES if n != "torch_loop"])  # its loop has no replay: unknown
+def test_a_nan_written_between_steps_during_a_loss_explosion_is_still_rolled_back_alone(family, tmp_path):
+    # A parameter changes only through an optimizer step, and the loss scaler drops every step whose gradients are
+    # non-finite: a NaN in the live parameters at a dropped step was written from outside, whatever the loss did
+    # before it. A loss explosion in course (x8 at 10 and 11, judged unstable by the band) is no evidence the
+    # dynamics put it there: the first divergence changes no setting; a rate or clip change needs a divergence of
+    # the training's own (the next one climbs the ladder).
+    run = build(family, tmp_path, iters=20, faults=[dict(kind="loss", iters=[10, 11], value=8.0),
+                                                     dict(kind="weights", iters=[12, 17], value="nan")])
+    run.train()
+    assert run.completed() == 20 and run.params_finite()
+    first, second = read_incidents(str(tmp_path))
+    assert run.guard.stability.unstable_steps >= 1  # the band saw the explosion
+    assert first["iteration"] == 12 and first["cause"]["signals"]["between_steps"] is True, first["cause"]
+    assert "a rollback alone" in first["cause"]["evidence"] and not first["actions"], first["actions"]
+    assert first["restored_from"]["iteration"] < 10, first["restored_from"]  # from before the explosion
+    assert any(a["target"].endswith("max_norm") for a in second["actions"]), second["actions"]
+
+
 # Value clipping exists in MMEngine only (MMCV 1.x's OptimizerHook and the torch loop clip by norm).
 CLIP_CASES = [(f, c) for f in NAMES for c in ("norm", "value", "none") if c != "value" or f == "mmengine"]
 

@@ -560,15 +560,18 @@ class _Kind:
 
 def _between_steps(c: Classification, inc: Incident) -> Classification:
     """A dynamics divergence whose live parameters went non-finite although no step applied a non-finite update (a
-    loss scaler, or the guard's fp32 skip, dropped the failing step; nothing was unstable before it) carries the
-    signal ``between_steps``: the training did not put the NaN there (a write from outside the optimizer)."""
+    loss scaler, or the guard's fp32 skip, dropped the failing step) carries the signal ``between_steps``: the
+    training did not put the NaN there (a write from outside the optimizer). A parameter changes only through an
+    optimizer step, and every step applied had finite gradients (the scaler and the skip drop the others), so this
+    holds whatever the loss did before: a loss explosion in course is no evidence the dynamics wrote the NaN (issue
+    43: the zoo's ``temporal`` model, whose noisy loss left the band a step before the write, took the ladder)."""
     params = (inc.diagnosis or {}).get("nonfinite_parameters") or []
     dropped = inc.signals.scale_mode != "none" or inc.signals.step_applied is False
-    if c.cause != Cause.DYNAMICS or not params or not dropped or inc.signals.trouble_since is not None:
+    if c.cause != Cause.DYNAMICS or not params or not dropped:
         return c
     return c.but(evidence=c.evidence + f"; the live parameters ({', '.join(params[:3])}) went non-finite between "
                                        "two steps: no optimizer step applied a non-finite update (the failing one "
-                                       "was dropped) and nothing was unstable before it",
+                                       "was dropped)",
                  signals={**c.signals, "between_steps": True})
 
 
