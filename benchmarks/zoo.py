@@ -258,29 +258,33 @@ def _as_few(comparison: Dict[str, Any]) -> str:
     return "" if chance is None else f"; as few or fewer for runs as good as the reference's: chance {chance:.2f}"
 
 
-def chance_to_pass(reference: List[float], other: List[float], draws: int = 4000, seed: int = 0) -> Dict[str, float]:
+def chance_to_pass(reference: List[float], other: List[float], draws: int = 4000, seed: int = 0,
+                   ratios: Sequence[float] = ()) -> Dict[str, Any]:
     """The chance that a recovery as good as the reference's own passes :func:`quality`'s criteria on one model, each
     and both: the reference's held-out losses and another set of runs of the same configuration (the reshuffled
     reference: its batches in another order) pooled and split at random ``draws`` times into a reference and a
     'recovered' set of their sizes. ``spread_exact`` is :func:`spread_chance` for those sizes (the split's ``spread``
-    estimates it). The two sets share their seeds' initial weights, so the splits take them as a little closer than
-    independent runs would be."""
+    estimates it). ``as_far``: for each of ``ratios`` (a guarded median over the reference's), the chance that such a
+    recovery's median ratio lies as far from 1 or farther (on the log scale, either way). The two sets share their
+    seeds' initial weights, so the splits take them as a little closer than independent runs would be."""
     if len(reference) < 2 or not other:
         raise ValueError(f"needs at least 2 reference runs and 1 other, got {len(reference)} and {len(other)}")
     pooled, n, rng = list(reference) + list(other), len(reference), random.Random(seed)
-    passed = {"median": 0, "spread": 0, "both": 0}
+    passed, distances = {"median": 0, "spread": 0, "both": 0}, []
     for _ in range(draws):
         rng.shuffle(pooled)
-        fails = quality(compare([{"eval_loss": x, "lost": False} for x in pooled[n:]],
-                                [{"eval_loss": x} for x in pooled[:n]]))
+        split = compare([{"eval_loss": x, "lost": False} for x in pooled[n:]], [{"eval_loss": x} for x in pooled[:n]])
+        distances.append(abs(math.log(split["ratio"])))
+        fails = quality(split)
         median_ok = not any("median" in f for f in fails)
         spread_ok = not any("spread" in f for f in fails)
         passed["median"] += median_ok
         passed["spread"] += spread_ok
         passed["both"] += median_ok and spread_ok
     need = -(-9 * len(other) // 10)
+    as_far = {r: sum(d >= abs(math.log(r)) - 1e-12 for d in distances) / draws for r in ratios if r and r > 0}
     return dict({k: v / draws for k, v in passed.items()}, spread_exact=spread_chance(n, len(other), need),
-                draws=draws)
+                draws=draws, as_far=as_far)
 
 
 def chances(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> Dict[str, Any]:
@@ -297,10 +301,24 @@ def chances(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> Dict[str, An
         if len(reference) < 2 or not other:
             continue
         cells = {k: c for k, c in summary.items() if k.startswith(key + "/") and not k.endswith("/none")}
-        chance = chance_to_pass(reference, other)
+        chance = chance_to_pass(reference, other, ratios=[c["seeds_all"]["ratio"] for c in cells.values()])
+        as_far = chance.pop("as_far")
+        # How surprising each fault cell is for such a recovery: its median this far from 1 or farther, its count
+        # inside the spread this low or lower.
+        each = {k.split("/")[-1]: {"median_as_far": as_far.get(c["seeds_all"]["ratio"]),
+                                   "as_few_inside": as_few_inside(c["seeds_all"])} for k, c in cells.items()}
         out[key] = dict(chance, fault_cells=len(cells), expected_passing=chance["both"] * len(cells),
-                        guard_passing=sum(not criteria(k, c) for k, c in cells.items()))
+                        guard_passing=sum(not criteria(k, c) for k, c in cells.items()), cells=each)
     return out
+
+
+def _least(c: Dict[str, Any], what: str) -> Tuple[Optional[float], str]:
+    """The smallest of one chance over a model's fault cells, and the cells that have it."""
+    values = {name: cell[what] for name, cell in c["cells"].items() if cell[what] is not None}
+    if not values:
+        return None, "-"
+    least = min(values.values())
+    return least, ", ".join(name for name, v in values.items() if v == least)
 
 
 def chance_lines(found: Dict[str, Any]) -> List[str]:
@@ -312,6 +330,9 @@ def chance_lines(found: Dict[str, Any]) -> List[str]:
                      f"(exactly {c['spread_exact']:.3f} for any distribution), both {c['both']:.2f}: "
                      f"{c['expected_passing']:.1f} of its {c['fault_cells']} fault cells on average; the guard "
                      f"passes {c['guard_passing']}")
+        (median, m_where), (count, c_where) = _least(c, "median_as_far"), _least(c, "as_few_inside")
+        lines.append(f"    the guard's cells, the least likely for such a recovery: a median as far or farther "
+                     f"{_fmt(median, 2)} ({m_where}); a count inside as low or lower {_fmt(count, 2)} ({c_where})")
     if found:
         expected = sum(c["expected_passing"] for c in found.values())
         every = math.prod(c["both"] ** c["fault_cells"] for c in found.values())
@@ -324,11 +345,14 @@ def chance_lines(found: Dict[str, Any]) -> List[str]:
 def chance_markdown(found: Dict[str, Any]) -> List[str]:
     """:func:`chances` as docs/zoo.md's table."""
     lines = ["| kernels | model | median within 5% | 90% inside the spread (exactly, any distribution) | both | fault "
-             "cells it would pass (on average) | fault cells the guard passes |", "|" + "---|" * 7]
+             "cells it would pass (on average) | fault cells the guard passes | the guard's cells, least likely for "
+             "such a recovery: median as far or farther | count inside as low or lower |", "|" + "---|" * 9]
     for key, c in found.items():
         kernels, model = key.split("/")
+        (median, m_where), (count, c_where) = _least(c, "median_as_far"), _least(c, "as_few_inside")
         lines.append(f"| {kernels} | `{model}` | {c['median']:.2f} | {c['spread']:.2f} ({c['spread_exact']:.3f}) | "
-                     f"{c['both']:.2f} | {c['expected_passing']:.1f} of {c['fault_cells']} | {c['guard_passing']} |")
+                     f"{c['both']:.2f} | {c['expected_passing']:.1f} of {c['fault_cells']} | {c['guard_passing']} | "
+                     f"{_fmt(median, 2)} ({m_where}) | {_fmt(count, 2)} ({c_where}) |")
     return lines
 
 

@@ -60,6 +60,10 @@ def test_the_chance_to_pass_reads_how_far_a_model_lands_from_itself(bench):
     assert wide["both"] <= min(wide["median"], wide["spread"])
     with pytest.raises(ValueError, match="2 reference runs"):
         bench.chance_to_pass([1.0], [1.0])
+    # How surprising a guarded median is: as far from 1 as the splits' own (1.0) always, far beyond them never.
+    far = bench.chance_to_pass([1 + rng.gauss(0, 1e-2) for _ in range(20)], [1 + rng.gauss(0, 1e-2) for _ in range(20)],
+                               draws=400, ratios=[1.0, 1.002, 1.5, 1 / 1.5])["as_far"]
+    assert far[1.0] == 1.0 and far[1.5] == far[1 / 1.5] == 0.0 and 0.0 < far[1.002] < 1.0
 
 
 def test_chances_count_the_fault_cells_a_perfect_recovery_would_pass_beside_the_guards(bench):
@@ -73,7 +77,7 @@ def test_chances_count_the_fault_cells_a_perfect_recovery_would_pass_beside_the_
     summary = {}
     for key in cells:
         ratio = 1.0 if not key.endswith("/b") else 2.0
-        total = {"ratio": ratio, "inside_spread": 20 if ratio == 1.0 else 0, "seeds": 20}
+        total = {"ratio": ratio, "inside_spread": 20 if ratio == 1.0 else 0, "seeds": 20, "reference_runs": 20}
         summary[key] = {"unguarded_lost": 20, "unguarded_runs": 20, "false_stops": [], "incidents_unplanted": 0,
                         "wrong_class": [], "guarded_lost": 0, "seeds_all": total}
     found = bench.chances(rows, summary)["native/m"]
@@ -81,6 +85,11 @@ def test_chances_count_the_fault_cells_a_perfect_recovery_would_pass_beside_the_
     assert found["expected_passing"] == pytest.approx(2 * found["both"])
     assert math.isclose(found["spread_exact"], bench.spread_chance(20, 20, 18))
     assert any("guard passes 1" in line for line in bench.chance_lines(bench.chances(rows, summary)))
+    # Per fault cell: the guarded median (ratio 2 on these tight runs: never a perfect recovery's) and the count.
+    none_inside = 1 - bench.spread_chance(20, 20, 1)
+    assert found["cells"]["b"] == {"median_as_far": 0.0, "as_few_inside": pytest.approx(none_inside)}
+    assert found["cells"]["a"]["median_as_far"] == 1.0 and found["cells"]["a"]["as_few_inside"] == pytest.approx(1.0)
+    assert "| 0.00 (b) |" in bench.chance_markdown({"native/m": found})[-1]
 
 
 def test_how_surprising_a_count_inside_the_spread_is_for_a_perfect_recovery(bench):
