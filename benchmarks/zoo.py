@@ -274,7 +274,8 @@ def chance_to_pass(reference: List[float], other: List[float], draws: int = 4000
     for _ in range(draws):
         rng.shuffle(pooled)
         split = compare([{"eval_loss": x, "lost": False} for x in pooled[n:]], [{"eval_loss": x} for x in pooled[:n]])
-        distances.append(abs(math.log(split["ratio"])))
+        if split["ratio"] and split["ratio"] > 0:  # a median of 0 or below has no log: no distance drawn
+            distances.append(abs(math.log(split["ratio"])))
         fails = quality(split)
         median_ok = not any("median" in f for f in fails)
         spread_ok = not any("spread" in f for f in fails)
@@ -282,7 +283,8 @@ def chance_to_pass(reference: List[float], other: List[float], draws: int = 4000
         passed["spread"] += spread_ok
         passed["both"] += median_ok and spread_ok
     need = -(-9 * len(other) // 10)
-    as_far = {r: sum(d >= abs(math.log(r)) - 1e-12 for d in distances) / draws for r in ratios if r and r > 0}
+    as_far = {r: sum(d >= abs(math.log(r)) - 1e-12 for d in distances) / len(distances) for r in ratios
+              if r and r > 0 and distances}
     return dict({k: v / draws for k, v in passed.items()}, spread_exact=spread_chance(n, len(other), need),
                 draws=draws, as_far=as_far)
 
