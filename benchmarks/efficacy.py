@@ -30,7 +30,7 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
-from zoo import GROUPS, as_few_inside, compare, spread_chance  # benchmarks/zoo.py, beside this script
+from zoo import GROUPS, as_few_note, compare, needed, spread_chance  # benchmarks/zoo.py, beside this script
 
 __all__ = ["main", "one_kernel_set", "summarize"]
 
@@ -164,11 +164,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 print(f"  seeds {name:<5}: guarded / reference (medians) {_fmt(grp['ratio'])}; guarded lost "
                       f"{grp['guarded_lost']}/{grp['seeds']}; inside the reference's spread "
                       f"[{_fmt(grp['reference_min'])}, {_fmt(grp['reference_max'])}]: "
-                      f"{grp['inside_spread']}/{grp['seeds']} (below it: {grp['below_spread']})"
-                      + ("" if as_few_inside(grp) is None else f"; as few or fewer for runs as good as the "
-                         f"reference's: chance {as_few_inside(grp):.2f}"))
+                      f"{grp['inside_spread']}/{grp['seeds']} (below it: {grp['below_spread']})" + as_few_note(grp))
             if name == "all" and grp["seeds"] and grp["reference_runs"] > 1:
-                need = -(-9 * grp["seeds"] // 10)
+                need = needed(grp["seeds"])
                 print(f"  seeds all  : runs as good as the reference's own have {need} of {grp['seeds']} inside its "
                       f"spread with chance {spread_chance(grp['reference_runs'], grp['seeds'], need):.3f} (exactly, "
                       "whatever their distribution: benchmarks/zoo.py's spread_chance)")

@@ -44,7 +44,8 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["main", "parse_seeds", "one_kernel_set", "summarize", "criteria", "quality", "compare", "markdown",
-           "GROUPS", "merged", "spread_chance", "as_few_inside", "chance_to_pass", "chances"]
+           "GROUPS", "merged", "needed", "median_met", "spread_met", "spread_chance", "as_few_inside", "as_few_note",
+           "chance_to_pass", "chances"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = (("0-9", range(0, 10)), ("10-19", range(10, 20)))
@@ -220,16 +221,32 @@ def criteria(key: str, cell: Dict[str, Any]) -> List[str]:
     return fails + quality(cell["seeds_all"])
 
 
+def needed(runs: int) -> int:
+    """How many of ``runs`` runs the spread criterion needs inside the reference's spread: 90%, rounded up (18 of
+    20)."""
+    return -(-9 * runs // 10)
+
+
+def median_met(total: Dict[str, Any]) -> bool:
+    """The median criterion on ``total`` (a :func:`compare`): the median within 5% of the reference's."""
+    return total["ratio"] is not None and abs(total["ratio"] - 1.0) <= 0.05
+
+
+def spread_met(total: Dict[str, Any]) -> bool:
+    """The spread criterion on ``total`` (a :func:`compare`): :func:`needed` of its runs inside the reference's
+    spread."""
+    return total["inside_spread"] >= needed(total["seeds"])
+
+
 def quality(total: Dict[str, Any], who: str = "guarded") -> List[str]:
     """The quality criteria ``total`` (a :func:`compare` over all the seeds) fails: the median within 5% of the
     reference's, 90% of the runs inside the reference's spread."""
     fails = []
-    if total["ratio"] is None or abs(total["ratio"] - 1.0) > 0.05:
+    if not median_met(total):
         fails.append(f"{who} median / reference median = {_fmt(total['ratio'])} (not within 5%)")
-    need = -(-9 * total["seeds"] // 10)  # 18 of 20
-    if total["inside_spread"] < need:
+    if not spread_met(total):
         fails.append(f"{total['inside_spread']}/{total['seeds']} {who} runs inside the reference's spread "
-                     f"(need {need})")
+                     f"(need {needed(total['seeds'])})")
     return fails
 
 
@@ -253,7 +270,8 @@ def as_few_inside(comparison: Dict[str, Any]) -> Optional[float]:
     return 1.0 - spread_chance(comparison["reference_runs"], comparison["seeds"], comparison["inside_spread"] + 1)
 
 
-def _as_few(comparison: Dict[str, Any]) -> str:
+def as_few_note(comparison: Dict[str, Any]) -> str:
+    """:func:`as_few_inside` as the reports print it after a count inside the spread ("" where it has no value)."""
     chance = as_few_inside(comparison)
     return "" if chance is None else f"; as few or fewer for runs as good as the reference's: chance {chance:.2f}"
 
@@ -276,17 +294,14 @@ def chance_to_pass(reference: List[float], other: List[float], draws: int = 4000
         split = compare([{"eval_loss": x, "lost": False} for x in pooled[n:]], [{"eval_loss": x} for x in pooled[:n]])
         if split["ratio"] and split["ratio"] > 0:  # a median of 0 or below has no log: no distance drawn
             distances.append(abs(math.log(split["ratio"])))
-        fails = quality(split)
-        median_ok = not any("median" in f for f in fails)
-        spread_ok = not any("spread" in f for f in fails)
+        median_ok, spread_ok = median_met(split), spread_met(split)
         passed["median"] += median_ok
         passed["spread"] += spread_ok
         passed["both"] += median_ok and spread_ok
-    need = -(-9 * len(other) // 10)
     as_far = {r: sum(d >= abs(math.log(r)) - 1e-12 for d in distances) / len(distances) for r in ratios
               if r and r > 0 and distances}
-    return dict({k: v / draws for k, v in passed.items()}, spread_exact=spread_chance(n, len(other), need),
-                draws=draws, as_far=as_far)
+    return dict({k: v / draws for k, v in passed.items()},
+                spread_exact=spread_chance(n, len(other), needed(len(other))), draws=draws, as_far=as_far)
 
 
 def chances(rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> Dict[str, Any]:
@@ -381,7 +396,7 @@ def report(summary: Dict[str, Any]) -> Tuple[List[str], int]:
                 lines.append(f"  seeds {name:<5}: guarded median {_fmt(c['guarded_median'])} / reference median "
                              f"{_fmt(c['reference_median'])} = {_fmt(c['ratio'])}; inside the reference's spread "
                              f"[{_fmt(c['reference_min'])}, {_fmt(c['reference_max'])}]: {c['inside_spread']}/"
-                             f"{c['seeds']} (below it: {c.get('below_spread', 0)})" + _as_few(c))
+                             f"{c['seeds']} (below it: {c.get('below_spread', 0)})" + as_few_note(c))
         for variant, (what, _) in FLOORS.items():
             floor = cell.get(f"{variant}_all")
             if floor:
