@@ -6,6 +6,7 @@ import pytest
 import torch
 from launch import check_agreement, incident_logs, run_agreeing, run_failing, run_workers
 
+from petr_stability import read_incidents
 from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 
 __all__ = ["AgreementScenarios", "OLDER_CHECKPOINT", "incidents", "weights_digest"]
@@ -162,6 +163,26 @@ class AgreementScenarios:
         assert rec["cause"]["signals"]["quarantined"] == [{"index": BAD_BOX, "rank": 1}]
         assert sorted(int(i) for i in r0["guard"]["remedies"]["quarantine"]["skip"]["indices"]) == [BAD_BOX]
 
+    def test_a_bright_frame_on_one_rank_gets_the_verdict_it_gets_on_one_rank(self, tmp_path: Any) -> None:
+        # issue 43 item 4: on 2 ranks a bright but finite frame was classed data where 1 rank put a module in fp32;
+        # one kind of evidence, one verdict. The same scenario on 1 rank (which then reads every sample) and on 2.
+        from worker_common import BAD_BOX
+
+        r0, r1, records = self.run("bright_rank1_dynamic", os.path.join(str(tmp_path), "two"))
+        (alone,), _ = run_workers(self.worker, "bright_rank1_dynamic", os.path.join(str(tmp_path), "one"), nproc=1)
+        one_rank = read_incidents(incident_logs(os.path.join(str(tmp_path), "one"))[0])
+        for result, log in ((r0, records), (alone, one_rank)):
+            assert result["error"] is None and result["finite"] and result["iter"] == 48
+            remedies = result["guard"]["remedies"]
+            assert sorted(int(i) for i in remedies["quarantine"]["skip"]["indices"]) == [BAD_BOX]
+            assert not remedies["fp32"]["fp32"], remedies["fp32"]  # no module in fp32
+            assert remedies["lr"]["lr_factor"] == 1.0, remedies["lr"]  # no rate change
+            decided = incidents(log) + [r for r in log if r["event"] == "recurring_sample"]
+            assert decided, "the bright frame broke no step"
+            for rec in decided:
+                assert rec["event"] != "gave_up"
+                assert rec["event"] == "recurring_sample" or rec["cause"]["cause"] == "data", rec.get("cause")
+        assert sorted(int(i) for i in r1["guard"]["remedies"]["quarantine"]["skip"]["indices"]) == [BAD_BOX]
 
     def test_a_slow_rank_s_fault_is_recovered_on_both_ranks_one_iteration_later(self, tmp_path: Any) -> None:
         # issue 35: rank 1 sleeps 50 ms after every optimizer step, before the guard, and its weights turn NaN in

@@ -26,6 +26,9 @@ CORRUPT_LABEL = -1
 CORRUPT = dict(rank=1, positions=[3, 4, 5, 6, 7, 8])
 #: The dataset index of the sample with a NaN box: odd, so rank 1 reads it (unshuffled, 2 ranks), in its 3rd batch.
 BAD_BOX = 9
+#: A saturated frame's every value: finite in fp16 (largest 65504), but the projection's fp16 sums of it pass that
+#: wherever a unit's 64 weights add up to more than 1.1 in size (about 1 unit in 16 at initialization).
+BRIGHT = 6e4
 #: One iteration poisoned on several passes (a rollback brings the run back to it) spends one in-memory restore
 #: point per pass. No replay of the failing batch: its cause classification is not what the scenario is about.
 TO_DISK = dict(snapshot_interval=1000, confirm_steps=1000, check_interval=1000, diagnose=False)
@@ -69,6 +72,11 @@ def shared_scenarios(disk_checkpoint: Dict[str, Any]) -> Dict[str, Dict[str, Any
         # One sample with NaN pixels read by rank 1 only: its BatchNorm statistics turn NaN, a divergence at once.
         # 2048 samples: the default bound of a realistic dataset (0.1%: 2 samples).
         "bad_pixels_rank1_large": dict(amp=None, max_iters=24, n_samples=2048, guard=GUARD, bad_pixels=BAD_BOX),
+        # issue 43: one bright but finite frame (every value BRIGHT, within fp16's range) read by rank 1 only, in
+        # every pass: the backbone's fp16 projection sums it past fp16's largest value in its row alone. As on one
+        # rank, it is the sample's data (quarantined), not the module's (no fp32, no rate change). 64 samples, three
+        # passes of 16 iterations.
+        "bright_rank1_dynamic": dict(amp="dynamic", max_iters=48, n_samples=64, guard=GUARD, bright=BAD_BOX),
         # issue 35: rank 1 sleeps after every optimizer step, before the guard (where a blocking agreement would make
         # rank 0 wait for it), and NaN weights are planted on it alone: rank 0 learns of it from the slow rank.
         "slow_rank1": dict(max_iters=18, guard=GUARD, faults=[dict(kind="weights", iters=[12], ranks=[1])],
@@ -102,6 +110,7 @@ class Extras:
         self.older_run: bool = kwargs.pop("older_run", False)
         self.bad_box: Optional[int] = kwargs.pop("bad_box", None)
         self.bad_pixels: Optional[int] = kwargs.pop("bad_pixels", None)
+        self.bright: Optional[int] = kwargs.pop("bright", None)
         plan = kwargs.pop("plan", None)
         self.plan: Optional[RankPlan] = RankPlan(**plan) if plan else None
         self.batch_size: int = kwargs.get("batch_size", 2)
@@ -122,6 +131,9 @@ class Extras:
             pixels = samples[self.bad_pixels]["inputs"].clone()
             pixels[:4] = float("nan")
             samples[self.bad_pixels] = dict(samples[self.bad_pixels], inputs=pixels)
+        if self.bright is not None:
+            pixels = torch.full_like(samples[self.bright]["inputs"], BRIGHT)
+            samples[self.bright] = dict(samples[self.bright], inputs=pixels)
 
 
 def corrupt_labels(samples: List[Dict[str, Any]], rank: int, world_size: int, batch_size: int,
