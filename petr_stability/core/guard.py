@@ -125,6 +125,7 @@ class HealthyPath:
         if self.stability.update(signals.loss, signals.grad_norm, not stable, iteration):
             self.io.log(f"NanGuard: trouble at iter {iteration}: {why}; no snapshot is confirmed until "
                         f"{self.config.confirm_steps} stable steps in a row follow it", "warning")
+        self.points.ring.trouble_since = self.stability.trouble_since
         self.points.ring.tick(stable)
         if stable:
             self.policy.on_healthy(self.io, self.spikes, iteration)
@@ -235,6 +236,7 @@ class NanGuard:
         self.detector.load_state_dict(state.get("detector", {}))
         self.spikes.load_state_dict(state.get("spikes", {}))
         self.stability.load_state_dict(state.get("stability", {}))
+        self.points.ring.trouble_since = self.stability.trouble_since
         self.replicas.load_state_dict(state.get("replicas", {}))
 
     def summary(self) -> Dict[str, Any]:

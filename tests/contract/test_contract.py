@@ -142,6 +142,28 @@ def test_a_nan_written_between_steps_during_a_loss_explosion_is_still_rolled_bac
     assert any(a["target"].endswith("max_norm") for a in second["actions"]), second["actions"]
 
 
+@pytest.mark.parametrize("family", NAMES)
+def test_no_state_taken_since_trouble_started_is_a_restore_point_while_the_trouble_lasts(family, tmp_path):
+    # Issue 43: an explosion "marks where trouble started, keeps a restore point from before it, and stops later
+    # snapshots from being confirmed". The loss x8 at 10-13 leaves the band, the snapshot of iteration 10 is taken
+    # after its first unstable step; `confirm_steps` (3 here) stable steps then followed it while the trouble was
+    # still in course (it ends after 4 calm steps), and the divergence at 16 or 17 went back to that state.
+    in_course = 0
+    for nan_at in (16, 17):
+        work_dir = tmp_path / str(nan_at)
+        run = build(family, work_dir, iters=24, faults=[dict(kind="loss", iters=[10, 11, 12, 13], value=8.0),
+                                                         dict(kind="weights", iters=[nan_at], value="nan")])
+        run.train()
+        assert run.completed() == 24 and run.params_finite()
+        rec = read_incidents(str(work_dir))[0]
+        assert rec["iteration"] == nan_at and run.guard.stability.unstable_steps >= 1
+        since = rec["signals"]["trouble_since"]
+        if since is not None:
+            in_course += 1
+            assert rec["restored_from"]["iteration"] < since, (rec["restored_from"], since)
+    assert in_course, "the explosion was over at both divergences: nothing was checked"
+
+
 # Value clipping exists in MMEngine only (MMCV 1.x's OptimizerHook and the torch loop clip by norm).
 CLIP_CASES = [(f, c) for f in NAMES for c in ("norm", "value", "none") if c != "value" or f == "mmengine"]
 

@@ -125,6 +125,26 @@ def test_an_unstable_step_confirms_nothing_and_restarts_the_count_of_unconfirmed
     assert ring.newest_confirmed() is new  # three stable steps in a row
 
 
+def test_no_snapshot_taken_since_trouble_started_is_confirmed_while_it_lasts():
+    ring = SnapshotRing(keep=3, confirm_steps=2)
+    before, during = Snapshot(8, 0, {}), Snapshot(10, 0, {})
+    ring.add(before)
+    ring.tick()
+    ring.tick()
+    ring.trouble_since = 10  # iteration 10 left the band; its state was taken after it
+    ring.add(during)
+    ring.tick(stable=False)
+    ring.tick()
+    ring.tick()  # two stable steps in a row, but the trouble is in course
+    assert during.clean_steps == 2 and not ring.is_confirmed(during) and ring.newest_confirmed() is before
+    ring.tick(stable=False)  # still on the trouble's path: its count starts again
+    assert during.clean_steps == 0 and ring.is_confirmed(before)
+    ring.tick()
+    ring.tick()
+    ring.trouble_since = None  # calm long enough: the trouble is over
+    assert ring.newest_confirmed() is during
+
+
 def test_a_loss_near_its_floor_swinging_between_batches_is_stable():
     # A classifier fit to 0.002 with a hard batch at 0.05 now and then: 25x its median, far below its first losses.
     watch = StabilityWatch()

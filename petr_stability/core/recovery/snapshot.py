@@ -176,12 +176,18 @@ class SnapshotRing:
         self.keep = keep
         self.confirm_steps = confirm_steps
         self.snapshots: List[Snapshot] = []  # oldest first
+        #: The first unstable step of the trouble in course (watch/spikes.py), or None: while it lasts, no snapshot
+        #: taken at or after it is confirmed, whatever stable steps followed it (trouble ends after a few calm ones).
+        self.trouble_since: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self.snapshots)
 
     def is_confirmed(self, snap: Snapshot) -> bool:
-        return snap.clean_steps >= self.confirm_steps
+        """``confirm_steps`` stable steps in a row followed ``snap``, and it was not taken since the trouble in course
+        started (a state on that path is no restore point until the trouble is over)."""
+        return snap.clean_steps >= self.confirm_steps and (self.trouble_since is None
+                                                           or snap.iteration < self.trouble_since)
 
     def recyclable(self) -> Optional[Dict[str, Any]]:
         """The payload that the next :meth:`add` will evict, to copy into instead of allocating."""
