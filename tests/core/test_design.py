@@ -1,4 +1,5 @@
-"""Non-finite by design (petr_stability/core/watch/health.py): a float -inf attention mask passed as an input, and a
+"""Non-finite by design (petr_stability/core/watch/health.py): a float -inf attention mask passed as an input (to
+PyTorch's layers or mmcv's MultiheadAttention), and a
 -inf mask buffer unchanged since the run's start, are neither a divergence nor a diagnosis's "first NaN/Inf"; NaN
 is, and so is a mask buffer that changed."""
 import math
@@ -106,3 +107,31 @@ def test_a_mask_the_batch_carries_is_not_its_values():
     assert suspect_rows(batch, 4, fp16=True) == []
     batch["x"][2, 0, 0] = math.inf
     assert suspect_rows(batch, 4, fp16=True) == [2]
+
+
+class MMCVDecoder(nn.Module):
+    """mmcv's ``MultiheadAttention`` (both majors) under a float causal mask made in the forward and passed down."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        from mmcv.cnn.bricks.transformer import MultiheadAttention
+
+        torch.manual_seed(0)
+        self.inp = nn.Linear(3, d)
+        self.attn = MultiheadAttention(d, 2, batch_first=True)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.triu(torch.full((L, L), float("-inf")), 1)
+        return (self.out(self.attn(self.inp(x), attn_mask=mask)) - x).pow(2).mean()
+
+
+def test_mmcv_multihead_attention_s_float_mask_is_not_the_first_nan_inf():
+    model = MMCVDecoder()
+    x = torch.randn(4, L, 3)
+    assert torch.isfinite(model(x))  # the premise: the mask is -inf where it masks, the output finite
+    report = diagnose(model, lambda: model(x))
+    assert report["first"] is None and report["reproduced"] is False, report["first"]
+    x[2, 1, 1] = math.inf  # an Inf the batch carries is still found, at the model's input
+    report = diagnose(model, lambda: model(x))
+    assert report["first"]["module"] == "(model)" and report["first"]["where"] == "input"
