@@ -1,7 +1,6 @@
 """Non-finite by design (petr_stability/core/watch/health.py): a float -inf attention mask passed as an input (to
-PyTorch's layers or mmcv's MultiheadAttention), and a
--inf mask buffer unchanged since the run's start, are neither a divergence nor a diagnosis's "first NaN/Inf"; NaN
-is, and so is a mask buffer that changed."""
+PyTorch's layers or mmcv's MultiheadAttention), and a -inf mask buffer unchanged since the run's start, are neither a
+divergence nor a diagnosis's "first NaN/Inf"; NaN is, and so is a mask buffer that changed."""
 import math
 
 import torch
