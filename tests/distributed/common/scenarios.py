@@ -9,7 +9,7 @@ from launch import check_agreement, incident_logs, run_agreeing, run_failing, ru
 from petr_stability import read_incidents
 from petr_stability.adapters.mmengine_runner.checkpoints import load_mmengine_checkpoint as safe_load
 
-__all__ = ["AgreementScenarios", "OLDER_CHECKPOINT", "incidents", "weights_digest"]
+__all__ = ["AgreementScenarios", "OLDER_CHECKPOINT", "incidents", "quarantined", "weights_digest"]
 
 #: The file an older guarded run left in a scenario's work dir, at an iteration the scenario never reaches.
 OLDER_CHECKPOINT = "iter_40.pth"
@@ -21,6 +21,11 @@ DECISIONS = ("divergence", "stalled", "gave_up")
 def incidents(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The records of the guard's decisions, in order."""
     return [r for r in records if r["event"] in DECISIONS]
+
+
+def quarantined(result: Dict[str, Any]) -> List[int]:
+    """The dataset indices a rank's guard holds in its quarantine at the end of the run, sorted."""
+    return sorted(int(i) for i in result["guard"]["remedies"]["quarantine"]["skip"]["indices"])
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -144,9 +149,7 @@ class AgreementScenarios:
         recurring = [r for r in records if r["event"] == "recurring_sample"]
         assert len(recurring) == 1 and recurring[0]["quarantined"]
         assert recurring[0]["batch"] == [{"index": BAD_BOX, "rank": 1}]  # rank 1's bad sample, alone
-        quarantined = sorted(int(i) for i in r0["guard"]["remedies"]["quarantine"]["skip"]["indices"])
-        other = sorted(int(i) for i in r1["guard"]["remedies"]["quarantine"]["skip"]["indices"])
-        assert quarantined == other == [BAD_BOX]
+        assert quarantined(r0) == quarantined(r1) == [BAD_BOX]
         if "fp32" in scenario:  # every skip names rank 1's sample only
             skips = [r for r in records if r["event"] == "skip"]
             assert len(skips) == 2 and all(r["batch"] == [{"index": BAD_BOX, "rank": 1}] for r in skips)
@@ -161,7 +164,7 @@ class AgreementScenarios:
         assert rec["event"] == "divergence" and rec["cause"]["cause"] == "data"
         assert rec["cause"]["ranks"] == {"1": "data"} or rec["cause"]["ranks"]["1"] == "data"
         assert rec["cause"]["signals"]["quarantined"] == [{"index": BAD_BOX, "rank": 1}]
-        assert sorted(int(i) for i in r0["guard"]["remedies"]["quarantine"]["skip"]["indices"]) == [BAD_BOX]
+        assert quarantined(r0) == [BAD_BOX]
 
     def test_a_bright_frame_on_one_rank_gets_the_verdict_it_gets_on_one_rank(self, tmp_path: Any) -> None:
         # issue 43 item 4: on 2 ranks a bright but finite frame was classed data where 1 rank put a module in fp32;
@@ -174,7 +177,7 @@ class AgreementScenarios:
         for result, log in ((r0, records), (alone, one_rank)):
             assert result["error"] is None and result["finite"] and result["iter"] == 48
             remedies = result["guard"]["remedies"]
-            assert sorted(int(i) for i in remedies["quarantine"]["skip"]["indices"]) == [BAD_BOX]
+            assert quarantined(result) == [BAD_BOX]
             assert not remedies["fp32"]["fp32"], remedies["fp32"]  # no module in fp32
             assert remedies["lr"]["lr_factor"] == 1.0, remedies["lr"]  # no rate change
             decided = incidents(log) + [r for r in log if r["event"] == "recurring_sample"]
@@ -182,7 +185,7 @@ class AgreementScenarios:
             for rec in decided:
                 assert rec["event"] != "gave_up"
                 assert rec["event"] == "recurring_sample" or rec["cause"]["cause"] == "data", rec.get("cause")
-        assert sorted(int(i) for i in r1["guard"]["remedies"]["quarantine"]["skip"]["indices"]) == [BAD_BOX]
+        assert quarantined(r1) == [BAD_BOX]
 
     def test_a_slow_rank_s_fault_is_recovered_on_both_ranks_one_iteration_later(self, tmp_path: Any) -> None:
         # issue 35: rank 1 sleeps 50 ms after every optimizer step, before the guard, and its weights turn NaN in
